@@ -1,0 +1,15 @@
+# The two commands of the README. Each creates .venv by itself if missing.
+.PHONY: run test lint
+
+run:
+	@scripts/bootstrap.sh
+	.venv/bin/mixrl train
+
+test:
+	@scripts/bootstrap.sh --dev
+	.venv/bin/ruff check src/mixrl/corrections
+	.venv/bin/mypy src/mixrl/corrections
+	.venv/bin/python -m pytest
+
+lint:
+	.venv/bin/ruff check src tests
