@@ -1,0 +1,156 @@
+"""Figures of a run or a comparison, mirroring the seed study's panels.
+
+``curves.png``   one panel per metric, one line per arm (fleet by line style)
+``groups.png``   per sampler group: KL, and share of samples vs share of
+                 out-of-range tokens (bars), for one arm on the mixed fleet
+``passk_cost.png`` held-out pass@k against cumulative modelled sampling cost
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from mixrl.observe.runs import Run
+
+PANELS: tuple[tuple[str, str], ...] = (
+    ("rollout/reward", "training reward"),
+    ("KL", "sampler-trainer KL"),
+    ("optim/grad_norm", "gradient norm"),
+    ("policy/entropy", "entropy"),
+    ("mismatch/ratio_oob", "share of tokens with ratio outside [0.2, 5]"),
+    ("rollout/length", "trajectory length (tokens)"),
+    ("rollout/format_error_end", "share of episodes ending on format errors"),
+)
+FLEET_STYLE = {"mixed": "-", "homogeneous": "--"}
+
+
+def kl_key(run: Run) -> str:
+    """Exact KL where the support was recorded, else k3 (k1 is too noisy to plot)."""
+    for k in ("mismatch/kl_exact", "mismatch/kl_k3"):
+        if run.series(k)[1]:
+            return k
+    return "mismatch/kl_k3"
+
+
+def smooth(ys: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, y in enumerate(ys):
+        acc += y
+        if i >= window:
+            acc -= ys[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_curves(runs: list[Run], out: Path, window: int = 5) -> Path:
+    plt = _plt()
+    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    arms = sorted({r.arm for r in runs})
+    colors = {a: plt.cm.tab10(i % 10) for i, a in enumerate(arms)}
+    for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
+        for run in runs:
+            k = kl_key(run) if key == "KL" else key
+            xs, ys = run.series(k)
+            if not xs:
+                continue
+            ax.plot(xs, smooth(ys, window), FLEET_STYLE.get(run.fleet, "-"),
+                    color=colors[run.arm], label=run.name, lw=1.4)
+        ax.set_title(title if key != "KL" else f"{title} ({kl_key(runs[0]).split('/')[-1]})")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if key == "KL":
+            ax.set_yscale("log")
+    axes.flat[-1].axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    axes.flat[-1].legend(handles, labels, loc="center", fontsize=9)
+    fig.suptitle(f"Training curves (moving average over {window} steps; solid: mixed fleet, "
+                 "dashed: homogeneous)")
+    fig.tight_layout()
+    path = Path(out) / "curves.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def group_stats(run: Run) -> dict[str, dict[str, float]]:
+    """Per group, averaged over training: KL, share of samples, share of OOB tokens."""
+    k = kl_key(run)
+    return {
+        g: {
+            "kl": run.mean(f"{k}/{g}"),
+            "share_samples": run.mean(f"share/samples/{g}"),
+            "share_oob": run.mean(f"share/oob_tokens/{g}"),
+            "ratio_oob": run.mean(f"mismatch/ratio_oob/{g}"),
+        }
+        for g in run.groups()
+    }
+
+
+def plot_groups(run: Run, out: Path) -> Path | None:
+    stats = group_stats(run)
+    if not stats:
+        return None
+    plt = _plt()
+    names = sorted(stats, key=lambda g: -_nz(stats[g]["kl"]))
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 4.5))
+    a1.bar(names, [_nz(stats[g]["kl"]) for g in names], color="tab:red")
+    a1.set_title(f"{run.name}: sampler-trainer KL per group ({kl_key(run).split('/')[-1]})")
+    x = range(len(names))
+    a2.bar([i - 0.2 for i in x], [_nz(stats[g]["share_samples"]) for g in names], 0.4,
+           label="share of samples")
+    a2.bar([i + 0.2 for i in x], [_nz(stats[g]["share_oob"]) for g in names], 0.4,
+           label="share of tokens with ratio outside [0.2, 5]")
+    a2.set_xticks(list(x), names)
+    a2.legend()
+    a2.set_title("share of samples vs share of out-of-range tokens")
+    for ax in (a1, a2):
+        ax.tick_params(axis="x", rotation=30)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path = Path(out) / "groups.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def passk_points(run: Run, k: int = 4) -> list[tuple[float, float]]:
+    """(cumulative cost, pass@k) of every evaluation the run made, in order."""
+    pts = [(float(e.get("cost/cumulative", math.nan)), float(e[f"pass@{k}"]))
+           for e in run.evals if f"pass@{k}" in e]
+    if f"pass@{k}" in run.eval:
+        pts.append((float(run.eval.get("cost/cumulative", run.mean("cost/cumulative", last=1))),
+                    float(run.eval[f"pass@{k}"])))
+    return [p for p in pts if math.isfinite(p[0])]
+
+
+def plot_passk_cost(runs: list[Run], out: Path, k: int = 4) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, run in enumerate(runs):
+        pts = passk_points(run, k)
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], FLEET_STYLE.get(run.fleet, "-"),
+                    marker="o", color=plt.cm.tab10(i % 10), label=run.name)
+    ax.set_xlabel("cumulative sampling cost (USD, modelled)")
+    ax.set_ylabel(f"held-out pass@{k}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(out) / "passk_cost.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _nz(x: float) -> float:
+    return 0.0 if not math.isfinite(x) else x
