@@ -48,34 +48,34 @@ def _check_range(name: str, lo: float, hi: float) -> None:
 class PGObjective(_Strict):
     """REINFORCE / bypass: ``g_t = A_t log p_θ(y_t)``; one optimizer step per batch."""
 
-    type: Literal["pg"] = Field("pg", description="policy gradient (the seed's GRPO)")
+    type: Literal["pg"] = Field(default="pg", description="policy gradient (the seed's GRPO)")
 
 
 class PPOClipObjective(_Strict):
     """PPO clip (arXiv 1707.06347 eq. 7), asymmetric bounds (DAPO), optional dual clip."""
 
-    type: Literal["ppo_clip"] = Field("ppo_clip", description="clipped policy ratio")
-    eps_low: float = Field(0.2, ge=0.0, lt=1.0, description="lower clip: r >= 1 - eps_low")
-    eps_high: float = Field(0.2, ge=0.0, le=10.0, description="upper clip: r <= 1 + eps_high")
+    type: Literal["ppo_clip"] = Field(default="ppo_clip", description="clipped policy ratio")
+    eps_low: float = Field(default=0.2, ge=0.0, lt=1.0, description="lower clip: r >= 1 - eps_low")
+    eps_high: float = Field(default=0.2, ge=0.0, le=10.0, description="upper clip: r <= 1 + eps_high")
     dual_clip: float | None = Field(
-        None, gt=1.0, le=100.0, description="dual clip c (arXiv 1912.09729): g >= c*A for A < 0"
+        default=None, gt=1.0, le=100.0, description="dual clip c (arXiv 1912.09729): g >= c*A for A < 0"
     )
 
 
 class GSPOObjective(_Strict):
     """GSPO (arXiv 2507.18071): clip the length-normalised sequence ratio."""
 
-    type: Literal["gspo"] = Field("gspo", description="sequence-level clipped ratio")
-    eps_low: float = Field(3e-4, ge=0.0, lt=1.0, description="lower clip of s_i")
-    eps_high: float = Field(4e-4, ge=0.0, le=10.0, description="upper clip of s_i")
+    type: Literal["gspo"] = Field(default="gspo", description="sequence-level clipped ratio")
+    eps_low: float = Field(default=3e-4, ge=0.0, lt=1.0, description="lower clip of s_i")
+    eps_high: float = Field(default=4e-4, ge=0.0, le=10.0, description="upper clip of s_i")
 
 
 class CISPOObjective(_Strict):
     """CISPO (arXiv 2506.13585): ``g_t = sg(clip(r_t)) A_t log p_θ(y_t)``; no token loses its gradient."""
 
-    type: Literal["cispo"] = Field("cispo", description="clipped IS weight on the score")
-    eps_high: float = Field(0.2, ge=0.0, le=10.0, description="upper clip of r: 1 + eps_high")
-    eps_low: float | None = Field(None, ge=0.0, lt=1.0, description="lower clip 1 - eps_low; None = none")
+    type: Literal["cispo"] = Field(default="cispo", description="clipped IS weight on the score")
+    eps_high: float = Field(default=0.2, ge=0.0, le=10.0, description="upper clip of r: 1 + eps_high")
+    eps_low: float | None = Field(default=None, ge=0.0, lt=1.0, description="lower clip 1 - eps_low; None = none")
 
 
 Objective = Annotated[
@@ -88,16 +88,16 @@ Objective = Annotated[
 class TIS(_Strict):
     """Token truncated IS: ``w_t = min(ρ_t, C)``."""
 
-    type: Literal["tis"] = Field("tis", description="token truncated importance sampling")
-    cap: float = Field(2.0, gt=0.0, description="truncation C (may be inf)")
+    type: Literal["tis"] = Field(default="tis", description="token truncated importance sampling")
+    cap: float = Field(default=2.0, gt=0.0, description="truncation C (may be inf)")
 
 
 class MIS(_Strict):
     """Token masked IS (IcePop is the same rule): ``w_t = ρ_t 1[lo <= ρ_t <= hi]``."""
 
-    type: Literal["mis"] = Field("mis", description="token masked importance sampling")
-    lo: float = Field(0.5, ge=0.0, description="lowest kept ratio")
-    hi: float = Field(5.0, gt=0.0, description="highest kept ratio (may be inf)")
+    type: Literal["mis"] = Field(default="mis", description="token masked importance sampling")
+    lo: float = Field(default=0.5, ge=0.0, description="lowest kept ratio")
+    hi: float = Field(default=5.0, gt=0.0, description="highest kept ratio (may be inf)")
 
     @model_validator(mode="after")
     def _range(self) -> MIS:
@@ -108,16 +108,16 @@ class MIS(_Strict):
 class SeqTIS(_Strict):
     """Sequence truncated IS: ``w_i = min(ρ_i, C)`` on every token of i."""
 
-    type: Literal["seq_tis"] = Field("seq_tis", description="sequence truncated IS")
-    cap: float = Field(5.0, gt=0.0, description="truncation C of the sequence ratio")
+    type: Literal["seq_tis"] = Field(default="seq_tis", description="sequence truncated IS")
+    cap: float = Field(default=5.0, gt=0.0, description="truncation C of the sequence ratio")
 
 
 class SeqMIS(_Strict):
     """Sequence masked IS: ``w_i = ρ_i 1[lo <= ρ_i <= hi]``."""
 
-    type: Literal["seq_mis"] = Field("seq_mis", description="sequence masked IS")
-    lo: float = Field(0.5, ge=0.0, description="lowest kept sequence ratio")
-    hi: float = Field(2.0, gt=0.0, description="highest kept sequence ratio")
+    type: Literal["seq_mis"] = Field(default="seq_mis", description="sequence masked IS")
+    lo: float = Field(default=0.5, ge=0.0, description="lowest kept sequence ratio")
+    hi: float = Field(default=2.0, gt=0.0, description="highest kept sequence ratio")
 
     @model_validator(mode="after")
     def _range(self) -> SeqMIS:
@@ -128,10 +128,10 @@ class SeqMIS(_Strict):
 class GeoMask(_Strict):
     """Keep sequence i only if ``lo <= ρ̄_i <= hi`` (geometric-mean ratio)."""
 
-    type: Literal["geo_mask"] = Field("geo_mask", description="geometric-mean sequence mask")
-    lo: float = Field(0.99, ge=0.0, description="lowest kept geometric ratio")
-    hi: float = Field(1.01, gt=0.0, description="highest kept geometric ratio")
-    weight: Literal["one", "ratio"] = Field("one", description="weight of kept sequences: 1 or ρ̄_i")
+    type: Literal["geo_mask"] = Field(default="geo_mask", description="geometric-mean sequence mask")
+    lo: float = Field(default=0.99, ge=0.0, description="lowest kept geometric ratio")
+    hi: float = Field(default=1.01, gt=0.0, description="highest kept geometric ratio")
+    weight: Literal["one", "ratio"] = Field(default="one", description="weight of kept sequences: 1 or ρ̄_i")
 
     @model_validator(mode="after")
     def _range(self) -> GeoMask:
@@ -142,16 +142,16 @@ class GeoMask(_Strict):
 class Veto(_Strict):
     """Worst-token reject sampling: drop i if ``min_t ρ_t < tau`` (or ``max_t ρ_t > tau_hi``)."""
 
-    type: Literal["veto"] = Field("veto", description="drop sequences with an extreme token ratio")
-    tau: float = Field(1e-4, gt=0.0, le=1.0, description="lowest tolerated token ratio")
-    tau_hi: float | None = Field(None, ge=1.0, description="highest tolerated token ratio; None = no upper veto")
+    type: Literal["veto"] = Field(default="veto", description="drop sequences with an extreme token ratio")
+    tau: float = Field(default=1e-4, gt=0.0, le=1.0, description="lowest tolerated token ratio")
+    tau_hi: float | None = Field(default=None, ge=1.0, description="highest tolerated token ratio; None = no upper veto")
 
 
 class OPSM(_Strict):
     """DeepSeek-V3.2 off-policy sequence masking: drop i if ``A_i < 0`` and its mean k1 KL > δ."""
 
-    type: Literal["opsm"] = Field("opsm", description="off-policy sequence masking")
-    delta: float = Field(1e-4, ge=0.0, description="threshold on mean_t (log q - log p_old)")
+    type: Literal["opsm"] = Field(default="opsm", description="off-policy sequence masking")
+    delta: float = Field(default=1e-4, ge=0.0, description="threshold on mean_t (log q - log p_old)")
 
 
 Correction = Annotated[TIS | MIS | SeqTIS | SeqMIS | GeoMask | Veto | OPSM, Field(discriminator="type")]
@@ -165,8 +165,8 @@ SEQ_WEIGHTS = ("seq_tis", "seq_mis")
 class AdvantageConfig(_Strict):
     """GRPO advantages ``(R - mean_g R) / (std_g R + eps)`` (section 8)."""
 
-    use_std: bool = Field(True, description="divide by the group std (False: Dr. GRPO)")
-    eps: float = Field(1e-6, gt=0.0, le=1.0, description="added to the std")
+    use_std: bool = Field(default=True, description="divide by the group std (False: Dr. GRPO)")
+    eps: float = Field(default=1e-6, gt=0.0, le=1.0, description="added to the std")
 
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
@@ -177,12 +177,12 @@ class LossConfig(_Strict):
 
     objective: Objective = Field(default_factory=PGObjective, description="base objective (section 5)")
     corrections: list[Correction] = Field(default_factory=list, description="behaviour corrections (section 6)")
-    score_centering: bool = Field(False, description="subtract E_q of the weighted score (section 7)")
-    tail_eps: float = Field(1e-6, gt=0.0, le=0.5, description="clamp of 1-p(H), 1-q(H) in the tail model")
-    support_replay: bool = Field(False, description="trainer log-probs renormalised on the support (section 3)")
-    aggregation: Aggregation = Field("token_mean", description="denominator convention (section 9)")
+    score_centering: bool = Field(default=False, description="subtract E_q of the weighted score (section 7)")
+    tail_eps: float = Field(default=1e-6, gt=0.0, le=0.5, description="clamp of 1-p(H), 1-q(H) in the tail model")
+    support_replay: bool = Field(default=False, description="trainer log-probs renormalised on the support (section 3)")
+    aggregation: Aggregation = Field(default="token_mean", description="denominator convention (section 9)")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="GRPO advantages")
-    log_ratio_clamp: float = Field(20.0, gt=0.0, le=50.0, description="clamp of log-ratios before exp")
+    log_ratio_clamp: float = Field(default=20.0, gt=0.0, le=50.0, description="clamp of log-ratios before exp")
 
     @model_validator(mode="after")
     def _compose(self) -> LossConfig:
