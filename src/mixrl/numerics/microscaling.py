@@ -1,0 +1,85 @@
+"""Block-scaled formats through torchao's reference implementations.
+
+- MXFP8 / MXFP4 (OCP Microscaling Formats v1.0, §5-6): 32 elements share one
+  E8M0 (power-of-two) scale ``2^(floor(log2 amax) − emax_elem)``; elements are
+  E4M3 or E2M1. torchao ``MXTensor.to_mx(..., scaling_mode=FLOOR)``.
+- NVFP4: 16 E2M1 elements share one FP8 E4M3 scale, and the whole group of
+  blocks shares one FP32 outer scale ``amax / (448 · 6)`` so the E4M3 block
+  scales use their full range. Without the outer scale, blocks of small weights
+  (|w| ~ 0.02, block scale ~ 0.005) fall into E4M3 subnormals and lose bits.
+  torchao ``NVFP4Tensor.to_nvfp4(..., per_tensor_scale=...)``.
+
+Blocks run along the last dim. A last dim that is not a multiple of the block
+is zero-padded and cut back afterwards: zeros leave every block's ``amax``
+unchanged, so this is exactly a short final block (no fallback format).
+
+Non-finite values follow the formats: E2M1 has no NaN or inf, so a block with a
+NaN (or, for MX, an inf) gets a NaN scale and dequantizes to NaN as a whole —
+it never turns into a finite number. The NVFP4 outer scale ignores NaN/inf.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixrl.numerics._torchao import torchao_mx
+from mixrl.numerics.fp8 import finite_amax
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+def _rows_padded(x: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """x: [..., K] -> contiguous float32 [R, Kp] with Kp a multiple of block; returns K."""
+    k = x.shape[-1] if x.dim() else 1
+    x2 = x.reshape(-1, k).to(torch.float32)  # [R, K]
+    pad = -k % block
+    if pad:
+        x2 = torch.nn.functional.pad(x2, (0, pad))
+    return x2.contiguous(), k
+
+
+def mx(x: torch.Tensor, element: str, block: int = 32) -> torch.Tensor:
+    """MXFP8 (element "float8_e4m3fn") or MXFP4 ("e2m1"). x: [..., K] -> float32 [..., K]."""
+    t = torchao_mx()
+    elem = torch.float8_e4m3fn if element == "float8_e4m3fn" else torch.float4_e2m1fn_x2
+    x2, k = _rows_padded(x, block)  # [R, Kp]
+    if x2.numel() == 0:
+        return x.to(torch.float32)
+    q = t.MXTensor.to_mx(x2, elem, block).dequantize(torch.float32)  # [R, Kp]
+    return q[:, :k].reshape(x.shape)
+
+
+def _outer_scale(amax: torch.Tensor) -> torch.Tensor:
+    """FP32 outer scale amax / (448 · 6); 1 where the group is all zero."""
+    s = torchao_mx().per_tensor_amax_to_scale(amax)
+    return torch.where(amax > 0, s, torch.ones_like(s)).clamp_min(_TINY)
+
+
+def nvfp4(x: torch.Tensor, *, outer: str, block: int = 16) -> torch.Tensor:
+    """NVFP4 fake quantization. x: [..., K] -> float32 [..., K].
+
+    outer="tensor": one FP32 outer scale for the whole tensor (weights);
+    outer="row": one per row of the last dim (a token, or a token and head), so a
+    quantized KV entry never depends on what else was in the batch.
+    """
+    t = torchao_mx()
+    x2, k = _rows_padded(x, block)  # [R, Kp]
+    if x2.numel() == 0:
+        return x.to(torch.float32)
+    if outer == "tensor":
+        scale = _outer_scale(finite_amax(x2).reshape(()))  # []
+        q = t.NVFP4Tensor.to_nvfp4(x2, block, per_tensor_scale=scale).dequantize(torch.float32)
+    elif outer == "row":
+        x3 = x2.unsqueeze(1)  # [R, 1, Kp]: torchao treats dim 0 as experts with own outer scale
+        scale = _outer_scale(finite_amax(x3, dim=(1, 2)))  # [R, 1, 1]
+        q = t.NVFP4Tensor.to_nvfp4(x3, block, per_tensor_scale=scale).dequantize(torch.float32)
+        q = q.squeeze(1)
+    else:
+        raise ValueError(f"nvfp4 outer must be 'tensor' or 'row', got {outer!r}")
+    return q[:, :k].reshape(x.shape)
+
+
+def e2m1_values() -> torch.Tensor:
+    """The 15 distinct values of FP4 E2M1 (±0 merged), ascending, from torchao's decoder."""
+    codes = torch.arange(16, dtype=torch.uint8)
+    return torch.unique(torchao_mx().f4_unpacked_to_f32(codes))  # [15]
