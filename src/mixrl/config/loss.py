@@ -56,9 +56,14 @@ class PPOClipObjective(_Strict):
 
     type: Literal["ppo_clip"] = Field(default="ppo_clip", description="clipped policy ratio")
     eps_low: float = Field(default=0.2, ge=0.0, lt=1.0, description="lower clip: r >= 1 - eps_low")
-    eps_high: float = Field(default=0.2, ge=0.0, le=10.0, description="upper clip: r <= 1 + eps_high")
+    eps_high: float = Field(
+        default=0.2, ge=0.0, le=10.0, description="upper clip: r <= 1 + eps_high"
+    )
     dual_clip: float | None = Field(
-        default=None, gt=1.0, le=100.0, description="dual clip c (arXiv 1912.09729): g >= c*A for A < 0"
+        default=None,
+        gt=1.0,
+        le=100.0,
+        description="dual clip c (arXiv 1912.09729): g >= c*A for A < 0",
     )
 
 
@@ -74,8 +79,12 @@ class CISPOObjective(_Strict):
     """CISPO (arXiv 2506.13585): ``g_t = sg(clip(r_t)) A_t log p_θ(y_t)``; no token loses its gradient."""
 
     type: Literal["cispo"] = Field(default="cispo", description="clipped IS weight on the score")
-    eps_high: float = Field(default=0.2, ge=0.0, le=10.0, description="upper clip of r: 1 + eps_high")
-    eps_low: float | None = Field(default=None, ge=0.0, lt=1.0, description="lower clip 1 - eps_low; None = none")
+    eps_high: float = Field(
+        default=0.2, ge=0.0, le=10.0, description="upper clip of r: 1 + eps_high"
+    )
+    eps_low: float | None = Field(
+        default=None, ge=0.0, lt=1.0, description="lower clip 1 - eps_low; None = none"
+    )
 
 
 Objective = Annotated[
@@ -128,10 +137,14 @@ class SeqMIS(_Strict):
 class GeoMask(_Strict):
     """Keep sequence i only if ``lo <= ρ̄_i <= hi`` (geometric-mean ratio)."""
 
-    type: Literal["geo_mask"] = Field(default="geo_mask", description="geometric-mean sequence mask")
+    type: Literal["geo_mask"] = Field(
+        default="geo_mask", description="geometric-mean sequence mask"
+    )
     lo: float = Field(default=0.99, ge=0.0, description="lowest kept geometric ratio")
     hi: float = Field(default=1.01, gt=0.0, description="highest kept geometric ratio")
-    weight: Literal["one", "ratio"] = Field(default="one", description="weight of kept sequences: 1 or ρ̄_i")
+    weight: Literal["one", "ratio"] = Field(
+        default="one", description="weight of kept sequences: 1 or ρ̄_i"
+    )
 
     @model_validator(mode="after")
     def _range(self) -> GeoMask:
@@ -142,19 +155,27 @@ class GeoMask(_Strict):
 class Veto(_Strict):
     """Worst-token reject sampling: drop i if ``min_t ρ_t < tau`` (or ``max_t ρ_t > tau_hi``)."""
 
-    type: Literal["veto"] = Field(default="veto", description="drop sequences with an extreme token ratio")
+    type: Literal["veto"] = Field(
+        default="veto", description="drop sequences with an extreme token ratio"
+    )
     tau: float = Field(default=1e-4, gt=0.0, le=1.0, description="lowest tolerated token ratio")
-    tau_hi: float | None = Field(default=None, ge=1.0, description="highest tolerated token ratio; None = no upper veto")
+    tau_hi: float | None = Field(
+        default=None, ge=1.0, description="highest tolerated token ratio; None = no upper veto"
+    )
 
 
 class OPSM(_Strict):
     """DeepSeek-V3.2 off-policy sequence masking: drop i if ``A_i < 0`` and its mean k1 KL > δ."""
 
     type: Literal["opsm"] = Field(default="opsm", description="off-policy sequence masking")
-    delta: float = Field(default=1e-4, ge=0.0, description="threshold on mean_t (log q - log p_old)")
+    delta: float = Field(
+        default=1e-4, ge=0.0, description="threshold on mean_t (log q - log p_old)"
+    )
 
 
-Correction = Annotated[TIS | MIS | SeqTIS | SeqMIS | GeoMask | Veto | OPSM, Field(discriminator="type")]
+Correction = Annotated[
+    TIS | MIS | SeqTIS | SeqMIS | GeoMask | Veto | OPSM, Field(discriminator="type")
+]
 
 TOKEN_WEIGHTS = ("tis", "mis")
 SEQ_WEIGHTS = ("seq_tis", "seq_mis")
@@ -175,14 +196,30 @@ Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_n
 class LossConfig(_Strict):
     """The whole loss: objective, composed behaviour corrections, SC, replay, aggregation."""
 
-    objective: Objective = Field(default_factory=PGObjective, description="base objective (section 5)")
-    corrections: list[Correction] = Field(default_factory=list, description="behaviour corrections (section 6)")
-    score_centering: bool = Field(default=False, description="subtract E_q of the weighted score (section 7)")
-    tail_eps: float = Field(default=1e-6, gt=0.0, le=0.5, description="clamp of 1-p(H), 1-q(H) in the tail model")
-    support_replay: bool = Field(default=False, description="trainer log-probs renormalised on the support (section 3)")
-    aggregation: Aggregation = Field(default="token_mean", description="denominator convention (section 9)")
-    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="GRPO advantages")
-    log_ratio_clamp: float = Field(default=20.0, gt=0.0, le=50.0, description="clamp of log-ratios before exp")
+    objective: Objective = Field(
+        default_factory=PGObjective, description="base objective (section 5)"
+    )
+    corrections: list[Correction] = Field(
+        default_factory=list, description="behaviour corrections (section 6)"
+    )
+    score_centering: bool = Field(
+        default=False, description="subtract E_q of the weighted score (section 7)"
+    )
+    tail_eps: float = Field(
+        default=1e-6, gt=0.0, le=0.5, description="clamp of 1-p(H), 1-q(H) in the tail model"
+    )
+    support_replay: bool = Field(
+        default=False, description="trainer log-probs renormalised on the support (section 3)"
+    )
+    aggregation: Aggregation = Field(
+        default="token_mean", description="denominator convention (section 9)"
+    )
+    advantage: AdvantageConfig = Field(
+        default_factory=AdvantageConfig, description="GRPO advantages"
+    )
+    log_ratio_clamp: float = Field(
+        default=20.0, gt=0.0, le=50.0, description="clamp of log-ratios before exp"
+    )
 
     @model_validator(mode="after")
     def _compose(self) -> LossConfig:
@@ -203,7 +240,9 @@ class LossConfig(_Strict):
                 "the product counts every token ratio twice"
             )
         if self.score_centering and self.objective.type == "gspo":
-            raise ValueError("score_centering is defined for token objectives (pg, ppo_clip, cispo), not gspo")
+            raise ValueError(
+                "score_centering is defined for token objectives (pg, ppo_clip, cispo), not gspo"
+            )
         return self
 
     def token_weight(self) -> TIS | MIS | None:

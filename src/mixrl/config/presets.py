@@ -39,8 +39,12 @@ class Preset(BaseModel):
     name: str = Field(default=..., min_length=1, description="the arm's name")
     description: str = Field(default="", description="one line on what the arm does")
     loss: LossConfig = Field(default_factory=LossConfig, description="the loss of the arm")
-    sampler_top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="sampler nucleus; 1.0 = full vocabulary")
-    head_k: int = Field(default=64, ge=1, le=4096, description="head size of q recorded for full-vocabulary SC")
+    sampler_top_p: float = Field(
+        default=1.0, gt=0.0, le=1.0, description="sampler nucleus; 1.0 = full vocabulary"
+    )
+    head_k: int = Field(
+        default=64, ge=1, le=4096, description="head size of q recorded for full-vocabulary SC"
+    )
 
     @model_validator(mode="after")
     def _sampling(self) -> Preset:

@@ -21,14 +21,18 @@ _CAND_FLOAT = ("cand_trainer_logprobs", "cand_old_logprobs", "cand_sampler_logpr
 class LossInputs:
     # N = generated (loss-masked) positions of the batch, flattened over trajectories
     trainer_logprobs: Tensor  # [N] log p_θ(y_t) (p̃ when support replay is on); carries grad
-    old_logprobs: Tensor  # [N] log p_old(y_t), no grad (== trainer_logprobs.detach() at 1 step/batch)
+    old_logprobs: (
+        Tensor  # [N] log p_old(y_t), no grad (== trainer_logprobs.detach() at 1 step/batch)
+    )
     sampler_logprobs: Tensor  # [N] log q(y_t)
     advantages: Tensor  # [N] per token (GRPO: the trajectory advantage broadcast)
     loss_mask: Tensor  # [N] bool, False for padding / excluded episodes
     seq_ids: Tensor  # [N] long, trajectory index 0..S-1
     num_seqs: int  # S
     cand_kind: str = "none"  # "support" | "head" | "none"
-    cand_offsets: Tensor | None = None  # [N+1] long, candidates of position t: offsets[t]:offsets[t+1]
+    cand_offsets: Tensor | None = (
+        None  # [N+1] long, candidates of position t: offsets[t]:offsets[t+1]
+    )
     cand_trainer_logprobs: Tensor | None = None  # [K] log p_θ(v) (p̃ with support replay), grad
     cand_old_logprobs: Tensor | None = None  # [K] log p_old(v), no grad
     cand_sampler_logprobs: Tensor | None = None  # [K] log q(v)
@@ -68,7 +72,9 @@ class LossInputs:
             if self.group_names is None:
                 raise ValueError("LossInputs.group_names is None but group_ids is given")
         if self.cand_kind not in CAND_KINDS:
-            raise ValueError(f"LossInputs.cand_kind is {self.cand_kind!r}, expected one of {CAND_KINDS}")
+            raise ValueError(
+                f"LossInputs.cand_kind is {self.cand_kind!r}, expected one of {CAND_KINDS}"
+            )
         if self.has_candidates:
             self._validate_candidates(n)
         self._validate_ranges(n)
@@ -95,14 +101,20 @@ class LossInputs:
         if self.has_candidates:
             assert self.cand_offsets is not None
             checks += [self.cand_offsets[0], self.cand_offsets[-1]]
-            checks += [(self.cand_offsets[1:] - self.cand_offsets[:-1]).min() if n else self.cand_offsets[0]]
+            checks += [
+                (self.cand_offsets[1:] - self.cand_offsets[:-1]).min()
+                if n
+                else self.cand_offsets[0]
+            ]
         if not checks:
             return
         vals = torch.stack([c.reshape(()) for c in checks]).tolist()
         if n:
             lo, hi = vals[0], vals[1]
             if lo < 0 or hi >= self.num_seqs:
-                raise ValueError(f"LossInputs.seq_ids range [{lo}, {hi}] is outside [0, num_seqs={self.num_seqs})")
+                raise ValueError(
+                    f"LossInputs.seq_ids range [{lo}, {hi}] is outside [0, num_seqs={self.num_seqs})"
+                )
             if self.group_ids is not None:
                 assert self.group_names is not None
                 glo, ghi = vals[2], vals[3]
@@ -123,7 +135,12 @@ class LossInputs:
 
 
 def _check(
-    name: str, t: Tensor | None, shape: tuple[int, ...], *, dtype: torch.dtype | None = None, float_: bool = False
+    name: str,
+    t: Tensor | None,
+    shape: tuple[int, ...],
+    *,
+    dtype: torch.dtype | None = None,
+    float_: bool = False,
 ) -> None:
     if t is None:
         raise ValueError(f"LossInputs.{name} is None, expected a tensor of shape {shape}")

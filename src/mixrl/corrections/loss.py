@@ -1,0 +1,155 @@
+"""The loss: objective × behaviour corrections (+ score centering) over a caller's D.
+
+    loss = −(1/D) Σ_t m_t · s_t · f_seq(i) · [ w_tok(ρ_t) g_t − A_t Σ_v sg(c_t(v)) log p_θ(v) ]
+                                                              └──── only with score centering
+
+``m_t`` is the validity mask (generated and finite), ``s_t`` the aggregation's
+per-token scale (1/L_i for ``seq_mean_token_mean``, else 1), ``f_seq`` the
+sequence weights/masks, ``g_t`` the objective (section 5) and the bracket's
+second term the centring of section 7.
+
+Non-finite inputs (section 4): a position with a NaN/±inf trainer, old or
+sampler log-prob, advantage, or candidate value is a data error. It is
+replaced by 0 *before* any arithmetic (a NaN multiplied by a 0 mask is still
+NaN, and so would be its gradient), excluded from every statistic, and
+counted in ``corr/nonfinite_tokens``. It still counts in D (section 9). An
+all-masked or empty batch returns a zero that is still attached to the graph,
+so a distributed backward never waits on a rank that skipped it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from mixrl.corrections.aggregation import token_scale
+from mixrl.corrections.behaviour import apply_corrections
+from mixrl.corrections.centering import candidate_validity, centering_coefficients, centering_term
+from mixrl.corrections.metrics import collect_mismatch, masked_mean, to_floats
+from mixrl.corrections.objectives import ObjectiveInputs, surrogate
+from mixrl.corrections.ratios import candidate_positions, clamp_log
+from mixrl.corrections.types import LossInputs
+
+if TYPE_CHECKING:
+    from mixrl.config.loss import LossConfig
+
+
+def _zeros_where(mask: Tensor, x: Tensor) -> Tensor:
+    return torch.where(mask, x, torch.zeros_like(x))
+
+
+def compute_loss(
+    inputs: LossInputs, cfg: LossConfig, denom: float | Tensor
+) -> tuple[Tensor, dict[str, float]]:
+    """Scalar loss (to minimise) and the section 10 metrics of one (micro-)batch.
+
+    ``denom`` is D from :func:`aggregation_denominator` over the whole optimizer
+    batch (must be ≥ 0 and finite; D = 0 means nothing to train on and yields
+    an attached zero). Raises ``ValueError`` on inconsistent inputs or when the
+    config needs candidates the batch does not carry.
+    """
+    inputs.validate()
+    if cfg.score_centering and inputs.cand_kind == "none":
+        raise ValueError(
+            "score_centering=True needs candidates of q, but LossInputs.cand_kind is 'none'"
+        )
+    if cfg.support_replay and inputs.cand_kind != "support":
+        raise ValueError(f"support_replay=True needs cand_kind 'support', got {inputs.cand_kind!r}")
+    d_val = float(denom)  # one host sync when D arrives as a tensor
+    if not math.isfinite(d_val) or d_val < 0:
+        raise ValueError(f"denom must be a finite number >= 0, got {d_val}")
+    n, clamp = inputs.num_tokens, cfg.log_ratio_clamp
+    lp_raw = inputs.trainer_logprobs
+    valid = inputs.loss_mask.clone()
+    for t in (lp_raw, inputs.old_logprobs, inputs.sampler_logprobs, inputs.advantages):
+        valid &= torch.isfinite(t.detach())
+    cand_pos = cand_ok = None
+    if inputs.has_candidates:
+        assert inputs.cand_offsets is not None and inputs.cand_trainer_logprobs is not None
+        assert inputs.cand_old_logprobs is not None and inputs.cand_sampler_logprobs is not None
+        cand_pos = candidate_positions(inputs.cand_offsets, inputs.cand_trainer_logprobs.shape[0])
+        cand_ok, pos_ok = candidate_validity(
+            cand_pos,
+            n,
+            inputs.cand_trainer_logprobs.detach(),
+            inputs.cand_old_logprobs,
+            inputs.cand_sampler_logprobs,
+        )
+        valid &= pos_ok
+    nonfinite = (inputs.loss_mask & ~valid).sum()
+
+    # finite copies, in the trainer's dtype; only lp carries the gradient
+    dt = lp_raw.dtype
+    lp = _zeros_where(valid, lp_raw)  # [N]
+    old = _zeros_where(valid, inputs.old_logprobs.detach().to(dt))  # [N]
+    lq = _zeros_where(valid, inputs.sampler_logprobs.detach().to(dt))  # [N]
+    adv = _zeros_where(valid, inputs.advantages.detach().to(dt))  # [N]
+
+    beh = apply_corrections(
+        cfg.corrections, old - lq, valid, inputs.seq_ids, inputs.num_seqs, adv, clamp
+    )
+    x = ObjectiveInputs(lp, old, adv, valid, inputs.seq_ids, inputs.num_seqs, clamp)
+    g, clipped = surrogate(cfg.objective, x)  # [N]
+    per_token = beh.token_weight * g  # [N]
+    if cfg.score_centering:
+        assert (
+            cand_pos is not None
+            and cand_ok is not None
+            and inputs.cand_trainer_logprobs is not None
+        )
+        assert inputs.cand_old_logprobs is not None and inputs.cand_sampler_logprobs is not None
+        zero_k = torch.zeros((), dtype=dt, device=lp.device)
+        c_old = torch.where(cand_ok, inputs.cand_old_logprobs.detach().to(dt), zero_k)
+        c_q = torch.where(cand_ok, inputs.cand_sampler_logprobs.detach().to(dt), zero_k)
+        coeff = centering_coefficients(
+            inputs.cand_kind,
+            cfg.token_weight(),
+            cand_pos,
+            n,
+            c_old,
+            c_q,
+            clamp=clamp,
+            tail_eps=cfg.tail_eps,
+        )
+        cand_lp = inputs.cand_trainer_logprobs.to(dt)
+        per_token = per_token - adv * centering_term(coeff, cand_lp, cand_pos, cand_ok, n)
+    factor = beh.seq_weight * valid.to(dt)  # [N]
+    scale = token_scale(cfg.aggregation, inputs.loss_mask, inputs.seq_ids, inputs.num_seqs, dt)
+    if scale is not None:
+        factor = factor * scale
+    total = -(per_token * factor).sum()
+    if d_val == 0:  # nothing to train on: an attached zero (total is 0 or finite here)
+        loss = total * 0.0
+    else:
+        loss = total / (
+            denom.to(device=total.device, dtype=dt) if isinstance(denom, Tensor) else d_val
+        )
+
+    with torch.no_grad():
+        metrics = collect_mismatch(inputs, valid, clamp)
+        w = beh.weight * valid.to(dt)  # [N] final behaviour weights
+        n_valid = valid.sum().clamp_min(1)
+        metrics["policy/tv"] = masked_mean(
+            0.5 * (1.0 - torch.exp(clamp_log(lp.detach() - old, clamp))).abs(), valid
+        )
+        metrics["policy/clip_frac"] = masked_mean(clipped.to(dt), valid)
+        metrics["corr/masked_frac"] = masked_mean(beh.masked.to(dt), valid)
+        metrics["corr/truncated_frac"] = masked_mean(beh.truncated.to(dt), valid)
+        has_tok = (
+            valid.new_zeros(inputs.num_seqs, dtype=torch.int64).index_add(
+                0, inputs.seq_ids, valid.long()
+            )
+            > 0
+        )
+        metrics["corr/seq_dropped_frac"] = masked_mean(beh.seq_dropped.to(dt), has_tok)
+        metrics["corr/ess"] = w.sum() ** 2 / (n_valid * (w * w).sum()).clamp_min(1e-30)
+        metrics["corr/nonfinite_tokens"] = nonfinite
+        if inputs.entropy is not None:
+            ent_ok = valid & torch.isfinite(inputs.entropy)
+            metrics["policy/entropy"] = masked_mean(
+                _zeros_where(ent_ok, inputs.entropy.detach().to(dt)), ent_ok
+            )
+    return loss, to_floats(metrics)

@@ -1,0 +1,133 @@
+"""Mismatch and correction metrics (CORRECTIONS.md section 10; the names are the contract).
+
+Token-level estimators over valid generated tokens, with ``ρ_t = p_old(y_t)/q(y_t)``:
+
+    mismatch/kl_k1     mean (log q − log p_old)                KL(q‖p_old), unbiased, noisy
+    mismatch/kl_k3     mean (ρ − 1) − log ρ                    ≥ 0, low variance (Schulman's k3)
+    mismatch/kl_exact  mean_t Σ_{v∈S_t} q(v) log(q(v)/p̃_old(v))  support recorded only
+    mismatch/tv        ½ mean |1 − ρ|                          estimate of TV(q, p_old)
+    mismatch/ratio_oob share with ρ ∉ [0.2, 5]
+
+Per sampler group ``g`` the same means over g's tokens are named ``<metric>/<g>``,
+plus ``share/samples/<g>`` (g's share of the trajectories; a trajectory whose
+tokens came from several groups is split by token share) and
+``share/oob_tokens/<g>`` (g's share of the out-of-range tokens; 0 when there are none).
+
+All values are gathered into one tensor and copied to the host once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mixrl.corrections.ratios import candidate_positions, clamp_log
+from mixrl.corrections.types import LossInputs
+
+OOB_LO, OOB_HI = 0.2, 5.0
+GROUP_METRICS = (
+    "mismatch/kl_k1",
+    "mismatch/kl_k3",
+    "mismatch/kl_exact",
+    "mismatch/tv",
+    "mismatch/ratio_oob",
+)
+
+
+def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    """Mean of ``x`` [N] over ``mask`` [N] (0-d tensor; 0 when the mask is empty)."""
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp_min(1.0)
+
+
+def group_means(x: Tensor, mask: Tensor, group_ids: Tensor, num_groups: int) -> Tensor:
+    """Per-group mean [G] of ``x`` [N] over ``mask``; 0 for a group without tokens."""
+    m = mask.to(x.dtype)
+    total = x.new_zeros(num_groups).index_add(0, group_ids, x * m)
+    count = x.new_zeros(num_groups).index_add(0, group_ids, m)
+    return total / count.clamp_min(1.0)
+
+
+def mismatch_terms(
+    inputs: LossInputs, valid: Tensor, clamp: float = 20.0
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """Per-position terms ``{name: (value [N], mask [N])}`` of the mismatch metrics (detached, float32+)."""
+    dt = torch.promote_types(inputs.old_logprobs.dtype, torch.float32)
+    zero = torch.zeros((), dtype=dt, device=valid.device)
+    old = torch.where(valid, inputs.old_logprobs.detach().to(dt), zero)
+    lq = torch.where(valid, inputs.sampler_logprobs.detach().to(dt), zero)
+    log_rho = clamp_log(old - lq, clamp)  # [N]
+    rho = torch.exp(log_rho)
+    terms = {
+        "mismatch/kl_k1": (lq - old, valid),
+        "mismatch/kl_k3": ((rho - 1.0) - log_rho, valid),
+        "mismatch/tv": (0.5 * (1.0 - rho).abs(), valid),
+        "mismatch/ratio_oob": (((rho < OOB_LO) | (rho > OOB_HI)).to(dt), valid),
+    }
+    if inputs.cand_kind == "support":
+        assert inputs.cand_offsets is not None and inputs.cand_sampler_logprobs is not None
+        assert inputs.cand_old_logprobs is not None
+        cq, cp = (
+            inputs.cand_sampler_logprobs.detach().to(dt),
+            inputs.cand_old_logprobs.detach().to(dt),
+        )
+        pos = candidate_positions(inputs.cand_offsets, cq.shape[0])
+        ok = torch.isfinite(cq) & torch.isfinite(cp)
+        bad = torch.zeros(valid.shape[0], dtype=dt, device=valid.device).index_add(
+            0, pos, (~ok).to(dt)
+        )
+        contrib = torch.where(ok, torch.exp(cq) * (cq - cp), torch.zeros_like(cq))
+        kl = torch.zeros(valid.shape[0], dtype=dt, device=valid.device).index_add(0, pos, contrib)
+        terms["mismatch/kl_exact"] = (kl, valid & (bad == 0))
+    return terms
+
+
+def collect_mismatch(inputs: LossInputs, valid: Tensor, clamp: float = 20.0) -> dict[str, Tensor]:
+    """All mismatch metrics, global and per group, as 0-d tensors (no host sync)."""
+    terms = mismatch_terms(inputs, valid, clamp)
+    out = {name: masked_mean(v, m) for name, (v, m) in terms.items()}
+    if inputs.group_ids is None or not inputs.group_names:
+        return out
+    names, gid, ng = inputs.group_names, inputs.group_ids, len(inputs.group_names)
+    for name, (v, m) in terms.items():
+        for g, val in zip(names, group_means(v, m, gid, ng).unbind(0), strict=True):
+            out[f"{name}/{g}"] = val
+    oob_v, oob_m = terms["mismatch/ratio_oob"]
+    oob = oob_v.new_zeros(ng).index_add(0, gid, oob_v * oob_m.to(oob_v.dtype))  # [G]
+    share_oob = oob / oob.sum().clamp_min(1.0)
+    # share of trajectories: each trajectory's generated tokens split 1/L_i across their groups
+    lm = inputs.loss_mask.to(oob_v.dtype)
+    length = lm.new_zeros(inputs.num_seqs).index_add(0, inputs.seq_ids, lm)  # [S] L_i
+    per_tok = lm / length.clamp_min(1.0)[inputs.seq_ids]
+    share = lm.new_zeros(ng).index_add(0, gid, per_tok) / (length > 0).sum().clamp_min(1)
+    for i, g in enumerate(names):
+        out[f"share/samples/{g}"] = share[i]
+        out[f"share/oob_tokens/{g}"] = share_oob[i]
+    return out
+
+
+def to_floats(metrics: dict[str, Tensor]) -> dict[str, float]:
+    """One host copy for all 0-d tensors."""
+    if not metrics:
+        return {}
+    values = torch.stack(
+        [v.detach().to(torch.float64).reshape(()) for v in metrics.values()]
+    ).tolist()
+    return dict(zip(metrics.keys(), values, strict=True))
+
+
+def mismatch_metrics(
+    inputs: LossInputs, valid: Tensor | None = None, clamp: float = 20.0
+) -> dict[str, float]:
+    """Section 10 mismatch metrics (+ per group) of a batch, as floats.
+
+    ``valid`` [N] defaults to ``loss_mask`` with finite ``old``/``sampler`` log-probs.
+    """
+    inputs.validate()
+    if valid is None:
+        valid = (
+            inputs.loss_mask
+            & torch.isfinite(inputs.old_logprobs)
+            & torch.isfinite(inputs.sampler_logprobs)
+        )
+    return to_floats(collect_mismatch(inputs, valid, clamp))
