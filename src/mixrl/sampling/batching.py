@@ -1,0 +1,180 @@
+"""``BatchingSampler``: the async face of one engine replica.
+
+Concurrent ``generate`` calls are collected into batches for the synchronous
+``Engine.generate_batch``, which runs in a worker thread so the event loop
+keeps serving. Weight updates travel through the same FIFO queue, so they
+apply between batches, never inside one: every token of a result has one
+version, and a request sent after ``load_weights`` was called sees the new one.
+
+State machine of the background task (one per sampler)::
+
+    IDLE ──item──► COLLECTING ──max_batch, max_wait_ms or a weights item──► RUNNING
+      ▲                                                                        │
+      └────────────── futures resolved; queued weights item applied ◄─────────┘
+    any state ──engine exception──► FAILED (every pending and later call: ReplicaFailure)
+
+Example (``max_batch=2``, ``max_wait_ms=5``)::
+
+    t=0ms   generate(a), generate(b)   IDLE -> COLLECTING [a, b] -> full -> RUNNING [a, b] (v3)
+    t=1ms   generate(c)                queued
+    t=2ms   load_weights(sd, 4)        queued behind c
+    t=9ms   batch [a, b] done          a, b resolved with version 3;
+                                       COLLECTING [c] meets the weights item -> RUNNING [c] (v3)
+    t=12ms  batch [c] done             c resolved (v3); weights applied; load_weights returns (v4)
+    t=13ms  generate(d)                ... d is generated with version 4
+
+A failing ``generate_batch`` or ``load_weights`` is a replica failure: the
+futures of that batch, everything queued and every later call raise
+``ReplicaFailure`` so sessions continue on another replica; a bad *request*
+never raises here (the engine returns an error ``finish_reason`` for it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from mixrl.sampling.base import Engine, GenerationRequest, GenerationResult, ReplicaFailure, Sampler
+
+
+@dataclass
+class _Item:
+    future: asyncio.Future[Any]
+    request: GenerationRequest | None = None  # a generation, or
+    weights: tuple[Mapping[str, Any], int] | None = None  # a weight update (state dict, version)
+    enqueued: float = 0.0
+
+
+class BatchingSampler(Sampler):
+    def __init__(self, engine: Engine, *, max_batch: int = 64, max_wait_ms: float = 5) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_wait_ms < 0:
+            raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        self.engine = engine
+        self.group = engine.group
+        self.max_batch = max_batch
+        self.max_wait = max_wait_ms / 1000.0
+        self.failure: BaseException | None = None  # set once: FAILED
+        self.batches = 0  # batches run, for tests and metrics
+        self._queue: asyncio.Queue[_Item] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._carry: _Item | None = None  # an item taken while collecting, handled next
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        fut = self._submit(_Item(asyncio.get_running_loop().create_future(), request=request))
+        return await fut
+
+    async def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        fut = self._submit(_Item(asyncio.get_running_loop().create_future(), weights=(state_dict, version)))
+        await fut
+
+    async def close(self) -> None:
+        """Stop the background task; pending calls raise ReplicaFailure."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._fail_all(ReplicaFailure(f"sampler {self.group!r} closed"))
+
+    # ------------------------------------------------------------------ internals
+    def _submit(self, item: _Item) -> asyncio.Future[Any]:
+        if self.failure is not None:
+            raise ReplicaFailure(f"sampler {self.group!r} has failed: {self.failure!r}")
+        if self._queue is None:
+            self._queue = asyncio.Queue()
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+        item.enqueued = time.perf_counter()
+        self._queue.put_nowait(item)
+        return item.future
+
+    async def _next(self, timeout: float | None) -> _Item | None:
+        if self._carry is not None:
+            item, self._carry = self._carry, None
+            return item
+        assert self._queue is not None
+        if timeout is None:
+            return await self._queue.get()
+        try:
+            return await asyncio.wait_for(self._queue.get(), max(timeout, 0.0))
+        except TimeoutError:
+            return None
+
+    async def _loop(self) -> None:
+        while True:
+            first = await self._next(None)  # IDLE
+            if first is None:
+                continue
+            if first.weights is not None:
+                await self._apply(first)
+                continue
+            batch = [first]  # COLLECTING
+            deadline = time.perf_counter() + self.max_wait
+            while len(batch) < self.max_batch:
+                item = await self._next(deadline - time.perf_counter())
+                if item is None:
+                    break
+                if item.weights is not None:  # weights wait for the requests sent before them
+                    self._carry = item
+                    break
+                batch.append(item)
+            await self._run(batch)  # RUNNING
+            if self.failure is not None:
+                return
+
+    async def _run(self, batch: list[_Item]) -> None:
+        batch = [b for b in batch if not b.future.done()]  # caller gave up (cancelled)
+        if not batch:
+            return
+        start = time.perf_counter()
+        try:
+            results = await asyncio.to_thread(self.engine.generate_batch, [b.request for b in batch])  # type: ignore[misc]
+            if len(results) != len(batch):
+                raise RuntimeError(f"engine returned {len(results)} results for {len(batch)} requests")
+        except Exception as e:  # noqa: BLE001 - any engine error is a replica failure
+            self._fail(e, batch)
+            return
+        self.batches += 1
+        for b, r in zip(batch, results, strict=True):
+            r.timings["queue_s"] = start - b.enqueued
+            r.timings["sampler_batch"] = float(len(batch))
+            if not b.future.done():
+                b.future.set_result(r)
+
+    async def _apply(self, item: _Item) -> None:
+        assert item.weights is not None
+        try:
+            await asyncio.to_thread(self.engine.load_weights, *item.weights)
+        except Exception as e:  # noqa: BLE001 - a replica that cannot load cannot serve
+            self._fail(e, [item])
+            return
+        if not item.future.done():
+            item.future.set_result(None)
+
+    def _fail(self, error: BaseException, batch: list[_Item]) -> None:
+        self.failure = error
+        failure = ReplicaFailure(f"sampler {self.group!r} failed: {error!r}")
+        failure.__cause__ = error
+        for b in batch:
+            if not b.future.done():
+                b.future.set_exception(failure)
+        self._fail_all(failure)
+
+    def _fail_all(self, failure: ReplicaFailure) -> None:
+        pending = [self._carry] if self._carry is not None else []
+        self._carry = None
+        while self._queue is not None and not self._queue.empty():
+            pending.append(self._queue.get_nowait())
+        for b in pending:
+            if not b.future.done():
+                b.future.set_exception(failure)

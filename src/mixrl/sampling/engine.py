@@ -1,0 +1,298 @@
+"""The built-in sampling engine: batched, seeded, precision-emulating decoding in torch.
+
+``BuiltinEngine`` loads an HF causal LM (Qwen3) through ``transformers``, keeps
+its own fake-quantized tensors (``qwen3_forward.build_weights``) and decodes
+with its own incremental forward and KV cache: one prefill over the
+left-padded prompts, then one token per step for the whole batch.
+
+Per generated token it records the sampled id, ``log q`` under the distribution
+actually sampled from (``sample.sampling_logprobs``) and the candidates that
+``SamplingParams.record`` asks for. Reproducibility: request ``j`` (counting
+every request this engine has seen) draws its uniforms from a generator seeded
+with ``params.seed`` or, when that is None, ``mix(engine seed, j)``; so the same
+engine seed and the same request sequence give identical tokens, and a request
+with its own seed gives the same tokens in any batch.
+
+Edge cases, each failing one request and never the batch:
+- empty prompt or an id outside the vocabulary -> ``finish_reason="error"``;
+- prompt length >= ``max_context`` (no room for one token) -> ``"context_exceeded"``;
+- a non-finite logit in a row -> that request ends ``"numerical_error"`` with
+  ``num_nonfinite`` counted; its last token is not emitted, so no NaN log-prob
+  ever leaves the engine.
+Generation ends with ``"stop"`` after emitting a stop id (``params.stop_ids``, plus
+the model's EOS ids unless ``stop_on_eos=False``) and with ``"length"`` after
+``max_new_tokens`` or when prompt + output reaches ``max_context``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from mixrl.sampling import qwen3_forward as qf
+from mixrl.sampling.base import Engine, FinishReason, GenerationRequest, GenerationResult
+from mixrl.sampling.kv_cache import KVCache
+from mixrl.sampling.precision import from_profile
+from mixrl.sampling.sample import draw, sampling_logprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+def request_seed(engine_seed: int, index: int) -> int:
+    """splitmix64 of (engine seed, request index): well-spread 63-bit generator seeds."""
+    z = (engine_seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+def _eos_ids(model_path: str, cfg: Any) -> frozenset[int]:
+    eos: Any = None
+    try:
+        from transformers import GenerationConfig
+
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:  # no generation_config.json: fall back to the model config
+        pass
+    if eos is None:
+        eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+class _Row:
+    """Output being built for one request of a running batch."""
+
+    __slots__ = ("req", "stops", "limit", "ids", "lps", "offs", "cids", "clps", "finish", "nonfinite", "error")
+
+    def __init__(self, req: GenerationRequest, stops: frozenset[int], limit: int) -> None:
+        self.req, self.stops, self.limit = req, stops, limit
+        self.ids: list[int] = []
+        self.lps: list[float] = []
+        self.offs: list[int] = [0]
+        self.cids: list[int] = []
+        self.clps: list[float] = []
+        self.finish: FinishReason | None = None
+        self.nonfinite = 0
+        self.error = ""
+
+    def push(self, tok: int, lp: float) -> None:
+        self.ids.append(tok)
+        self.lps.append(lp)
+        self.offs.append(len(self.cids))
+        if tok in self.stops:
+            self.finish = "stop"
+        elif len(self.ids) >= self.limit:
+            self.finish = "length"
+
+
+class BuiltinEngine(Engine):
+    """Torch engine for HF Qwen3 checkpoints in one precision profile (see module doc)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        profile: Any,
+        group: str,
+        *,
+        seed: int = 0,
+        max_batch: int = 64,
+        max_context: int | None = None,
+        num_threads: int | None = None,
+        stop_on_eos: bool = True,
+    ) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if num_threads is not None:
+            if num_threads < 1:
+                raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+            torch.set_num_threads(num_threads)
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = AutoConfig.from_pretrained(model_path)
+        self.shape = qf.Shape.from_config(cfg)
+        limit = self.shape.max_positions
+        if max_context is not None and not 2 <= max_context <= limit:
+            raise ValueError(
+                f"max_context must be in [2, config.max_position_embeddings={limit}], got {max_context}"
+            )
+        self.max_context = max_context or limit
+        self.profile = profile
+        self.prec = from_profile(profile)
+        self.group = group
+        self.seed = seed
+        self.max_batch = max_batch
+        self.eos_ids = _eos_ids(model_path, cfg) if stop_on_eos else frozenset()
+        self.pad_id = 0  # any in-vocabulary id: padded columns are masked out
+        self._seen = 0  # requests seen, for default per-request seeds
+        with torch.inference_mode():
+            hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            self._weights = qf.build_weights(hf.state_dict(), self.shape, self.prec, self.max_context)
+        del hf
+        self.version = 0  # the checkpoint at model_path; load_weights sets the trainer's versions
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Quantize the trainer's weights (HF names, any dtype) on load; swap them in whole."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"version must be an int >= 0, got {version!r}")
+        with torch.inference_mode():
+            w = qf.build_weights(state_dict, self.shape, self.prec, self.max_context)
+        self._weights, self.version = w, version  # a running batch keeps its own reference
+
+    # --------------------------------------------------------------- generation
+    def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        results: list[GenerationResult | None] = [None] * len(requests)
+        ok: list[tuple[int, int]] = []  # (request index, generator seed)
+        for i, r in enumerate(requests):
+            seed = r.params.seed if r.params.seed is not None else request_seed(self.seed, self._seen)
+            self._seen += 1
+            reason, msg = self._check(r)
+            if reason is None:
+                ok.append((i, seed))
+            else:
+                results[i] = self._failed(reason, msg)
+        ok.sort(key=lambda t: len(requests[t[0]].prompt_ids))  # similar lengths share a batch
+        for c in range(0, len(ok), self.max_batch):
+            chunk = ok[c : c + self.max_batch]
+            outs = self._run([requests[i] for i, _ in chunk], [s for _, s in chunk])
+            for (i, _), res in zip(chunk, outs, strict=True):
+                results[i] = res
+        return [r for r in results if r is not None]
+
+    def _check(self, r: GenerationRequest) -> tuple[FinishReason | None, str]:
+        n, V = len(r.prompt_ids), self.shape.vocab
+        if n == 0:
+            return "error", f"request {r.request_id!r}: prompt_ids is empty"
+        bad = next((t for t in r.prompt_ids if not (isinstance(t, int) and 0 <= t < V)), None)
+        if bad is not None:
+            return "error", f"request {r.request_id!r}: prompt_ids contains {bad!r}, outside [0, {V})"
+        if n >= self.max_context:
+            return "context_exceeded", (
+                f"request {r.request_id!r}: prompt_ids has {n} tokens, max_context is "
+                f"{self.max_context}: no room to generate"
+            )
+        return None, ""
+
+    def _failed(self, reason: FinishReason, msg: str) -> GenerationResult:
+        return GenerationResult(
+            token_ids=[], logprobs=[], cand_offsets=[0], cand_ids=[], cand_logprobs=[],
+            cand_kind="none", version=self.version, group=self.group, finish_reason=reason, error=msg,
+        )
+
+    @torch.inference_mode()
+    def _run(self, reqs: list[GenerationRequest], seeds: list[int]) -> list[GenerationResult]:
+        w, version, shape, prec = self._weights, self.version, self.shape, self.prec
+        t0 = time.perf_counter()
+        B = len(reqs)
+        lens = [len(r.prompt_ids) for r in reqs]
+        P = max(lens)
+        limits = [min(r.params.max_new_tokens, self.max_context - n) for r, n in zip(reqs, lens, strict=True)]
+        N = max(limits)
+        rows = [_Row(r, self.eos_ids | frozenset(r.params.stop_ids), lim) for r, lim in zip(reqs, limits, strict=True)]
+
+        # Per-row tensors; all are sliced together when finished rows are dropped.
+        L = torch.tensor(lens)  # [B] prompt lengths
+        start = P - L  # [B] first real column (left padding)
+        temp = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
+        topk = torch.tensor([r.params.top_k for r in reqs])
+        topp = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
+        U = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds])  # [B, N]
+        live = list(range(B))  # tensor row -> index into rows
+
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, P - lens[i] :] = torch.tensor(r.prompt_ids)
+        col = torch.arange(P)
+        pos = (col[None, :] - start[:, None]).clamp(min=0)  # [B, P]
+        # may attend: real key columns up to the query; padded queries attend to themselves only
+        mask = (col[None, None, :] >= start[:, None, None]) & (col[None, None, :] <= col[None, :, None])
+        mask |= torch.eye(P, dtype=torch.bool)[None]
+        cache = KVCache(shape.layers, B, shape.kv_heads, P + N, shape.head_dim, prec.dtype, prec.kv)
+        hidden = qf.forward(w, shape, prec, cache, ids, pos, 0, mask.unsqueeze(1))  # [B, H]
+        t1 = time.perf_counter()
+
+        for s in range(N):
+            logits = qf.lm_head(w, prec, hidden)  # [b, V] fp32
+            nonfinite = (~torch.isfinite(logits)).sum(dim=1)  # [b]
+            if bool(nonfinite.any()):
+                logits = torch.where((nonfinite > 0)[:, None], 0.0, logits)  # keep the math finite
+            logq, keep = sampling_logprobs(logits, temp, topk, topp)
+            tok = draw(logq, U[:, s])  # [b]
+            lp = logq.gather(1, tok[:, None]).squeeze(1)
+            for j, n_bad in enumerate(nonfinite.tolist()):
+                row = rows[live[j]]
+                if n_bad and row.finish is None:  # ends here; this step's token is not emitted
+                    row.finish, row.nonfinite = "numerical_error", n_bad
+                    row.error = f"{n_bad} non-finite logits at generated token {s} ({prec.describe})"
+            self._record(rows, live, logq, keep)
+            for j, (t, v) in enumerate(zip(tok.tolist(), lp.tolist(), strict=True)):
+                row = rows[live[j]]
+                if row.finish is None:
+                    row.push(t, v)
+            done = [j for j, r in enumerate(live) if rows[r].finish is not None]
+            if len(done) == len(live):
+                break
+            if len(done) >= max(1, len(live) // 4):  # drop finished rows: less work per step
+                keep_idx = torch.tensor([j for j in range(len(live)) if rows[live[j]].finish is None])
+                live = [live[j] for j in keep_idx.tolist()]
+                cache.keep_rows(keep_idx)
+                L, start, temp, topk, topp, U, tok = (
+                    t.index_select(0, keep_idx) for t in (L, start, temp, topk, topp, U, tok)
+                )
+            c = P + s  # the column the sampled token is written to
+            dmask = (torch.arange(c + 1)[None, :] >= start[:, None])[:, None, None, :]  # [b, 1, 1, c+1]
+            hidden = qf.forward(w, shape, prec, cache, tok[:, None], (L + s)[:, None], c, dmask)
+        t2 = time.perf_counter()
+
+        timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "batch_size": float(B)}
+        return [self._result(row, version, timings) for row in rows]
+
+    def _record(self, rows: list[_Row], live: list[int], logq: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """Append this step's candidates of q to every running row (vectorized per kind)."""
+        sup = [j for j, r in enumerate(live) if rows[r].finish is None and rows[r].req.params.record == "support"]
+        head = [j for j, r in enumerate(live) if rows[r].finish is None and rows[r].req.params.head_k > 0]
+        if sup:
+            sel = torch.tensor(sup)
+            m = keep[sel] if keep is not None else torch.ones(len(sup), logq.shape[1], dtype=torch.bool)
+            counts = m.sum(1).tolist()
+            cols = m.nonzero()[:, 1].tolist()
+            vals = logq[sel][m].tolist()
+            a = 0
+            for j, n in zip(sup, counts, strict=True):
+                row = rows[live[j]]
+                row.cids.extend(cols[a : a + n])
+                row.clps.extend(vals[a : a + n])
+                a += n
+        if head:
+            sel = torch.tensor(head)
+            kmax = min(max(rows[live[j]].req.params.head_k for j in head), logq.shape[1])
+            v, ix = logq[sel].topk(kmax, dim=1)  # [h, kmax] descending
+            nfin = torch.isfinite(v).sum(1).tolist()  # never list tokens outside the support
+            v, ix = v.tolist(), ix.tolist()
+            for a, j in enumerate(head):
+                row = rows[live[j]]
+                n = min(row.req.params.head_k, nfin[a])
+                row.cids.extend(ix[a][:n])
+                row.clps.extend(v[a][:n])
+
+    def _result(self, row: _Row, version: int, timings: dict[str, float]) -> GenerationResult:
+        kind = row.req.params.record
+        return GenerationResult(
+            token_ids=row.ids,
+            logprobs=row.lps,
+            cand_offsets=row.offs,
+            cand_ids=row.cids,
+            cand_logprobs=row.clps,
+            cand_kind="support" if kind == "support" else "head" if kind.startswith("head:") else "none",
+            version=version,
+            group=self.group,
+            finish_reason=row.finish or "length",
+            num_nonfinite=row.nonfinite,
+            error=row.error,
+            timings=dict(timings),
+        )

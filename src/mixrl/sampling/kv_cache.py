@@ -1,0 +1,52 @@
+"""A preallocated per-layer KV cache for one batch, written in the profile's KV format.
+
+Layout per layer: keys and values ``[B, Hkv, T, D]`` in the compute dtype, so
+attention reads a prefix view ``[:, :, :end]`` without copying. The engine
+left-pads prompts so that every row's prompt ends at the same column; one
+decode step then writes one column for the whole batch.
+
+KV quantization is emulated on write: ``Precision.kv`` fake-quantizes what is
+stored (scale per token and head, over ``head_dim``), and attention — the
+current token included — reads the stored values, as an FP8-KV engine does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mixrl.sampling.precision import Hook
+
+
+class KVCache:
+    def __init__(
+        self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
+        dtype: torch.dtype, quantize: Hook | None,
+    ) -> None:
+        shape = (batch, kv_heads, length, head_dim)
+        # zeros, not empty: unwritten (masked) columns must stay finite, since a masked
+        # attention weight of exactly 0 times NaN garbage would still be NaN.
+        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        self.quantize = quantize
+        self.length = length
+
+    def write(
+        self, layer: int, col0: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store k, v ``[B, Hkv, T, D]`` at columns [col0, col0 + T); return the layer's full cache."""
+        if self.quantize is not None:
+            k, v = self.quantize(k), self.quantize(v)
+        end = col0 + k.shape[2]
+        if end > self.length:
+            raise IndexError(f"KV cache write to column {end - 1} beyond its length {self.length}")
+        self.k[layer][:, :, col0:end] = k
+        self.v[layer][:, :, col0:end] = v
+        return self.k[layer], self.v[layer]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Drop finished rows (``rows`` [B'] long: the rows to keep, in order)."""
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

@@ -1,0 +1,233 @@
+"""Qwen3 incremental forward with a KV cache: the built-in engine's own kernels.
+
+Math of ``transformers``' Qwen3 (arXiv 2505.09388): pre-norm decoder layers,
+RMSNorm, per-head RMSNorm on q and k before RoPE, grouped-query attention,
+SwiGLU MLP, tied or untied ``lm_head``. The *kernels* are ours on purpose:
+fused qkv and gate/up matmuls, a preallocated cache written one step at a time,
+RoPE from a precomputed table, so that a sampler differs from the trainer's
+full-sequence HF forward the way a real inference engine does.
+
+Weights are fake-quantized once on load (``Precision.weight``) per HF Linear —
+q, k, v, o, gate, up, down separately, so per-tensor scales are the same as
+quantizing an HF model in place — and only then fused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mixrl.sampling.kv_cache import KVCache
+from mixrl.sampling.precision import Precision
+
+SUPPORTED_MODEL_TYPES = ("qwen3",)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """The architecture numbers read from an HF config."""
+
+    vocab: int
+    hidden: int
+    layers: int
+    heads: int  # query heads
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    tied: bool
+    bias: bool  # attention projections carry biases
+    max_positions: int
+    inv_freq: torch.Tensor  # [head_dim // 2] float32
+    rope_scale: float  # "attention_scaling" of non-default RoPE types (1.0 by default)
+
+    @staticmethod
+    def from_config(cfg: Any) -> Shape:
+        if cfg.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"config.model_type must be one of {SUPPORTED_MODEL_TYPES} for the built-in engine, "
+                f"got {cfg.model_type!r}"
+            )
+        if cfg.hidden_act != "silu":
+            raise ValueError(f"config.hidden_act must be 'silu', got {cfg.hidden_act!r}")
+        if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+            raise ValueError("config.layer_types has sliding_attention layers: not supported")
+        rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+        if rope_type == "dynamic":
+            raise ValueError("config.rope_parameters.rope_type 'dynamic' is not supported")
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+        rope = Qwen3RotaryEmbedding(cfg)  # reuse HF's inv_freq for every RoPE type it knows
+        heads = cfg.num_attention_heads
+        return Shape(
+            vocab=cfg.vocab_size,
+            hidden=cfg.hidden_size,
+            layers=cfg.num_hidden_layers,
+            heads=heads,
+            kv_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            intermediate=cfg.intermediate_size,
+            eps=cfg.rms_norm_eps,
+            tied=bool(cfg.tie_word_embeddings),
+            bias=bool(getattr(cfg, "attention_bias", False)),
+            max_positions=cfg.max_position_embeddings,
+            inv_freq=rope.inv_freq.detach().float().clone(),
+            rope_scale=float(rope.attention_scaling),
+        )
+
+
+@dataclass
+class Layer:
+    ln1: torch.Tensor  # [H]
+    ln2: torch.Tensor  # [H]
+    q_norm: torch.Tensor  # [D]
+    k_norm: torch.Tensor  # [D]
+    w_qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
+    b_qkv: torch.Tensor | None  # [(Hq + 2 Hkv) D]
+    w_o: torch.Tensor  # [H, Hq D]
+    b_o: torch.Tensor | None
+    w_gate_up: torch.Tensor  # [2 I, H]
+    w_down: torch.Tensor  # [H, I]
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor  # [V, H]
+    layers: list[Layer]
+    norm: torch.Tensor  # [H]
+    lm_head: torch.Tensor  # [V, H]
+    cos: torch.Tensor  # [rope_len, D] compute dtype
+    sin: torch.Tensor  # [rope_len, D]
+
+
+def _clean(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """Strip wrapper prefixes (torch.compile, DDP) so trainer state dicts load as HF names."""
+    out = {}
+    for k, v in state_dict.items():
+        for p in ("_orig_mod.", "module."):
+            k = k.replace(p, "")
+        out[k] = v
+    return out
+
+
+def build_weights(
+    state_dict: Mapping[str, Any], shape: Shape, prec: Precision, rope_len: int
+) -> Weights:
+    """HF-named state dict -> quantized, fused, compute-dtype tensors (RoPE table for
+    positions [0, rope_len)). Raises KeyError naming a missing parameter."""
+    sd = _clean(state_dict)
+    dt = prec.dtype
+
+    def get(name: str) -> torch.Tensor:
+        if name not in sd:
+            raise KeyError(f"state_dict has no {name!r} (expected HF Qwen3 parameter names)")
+        return sd[name].detach().to(torch.float32)
+
+    def lin(name: str) -> torch.Tensor:  # a Linear weight: quantize in fp32, then cast
+        return prec.weight(get(name)).to(dt)
+
+    layers = []
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        b_qkv = b_o = None
+        if shape.bias:
+            b_qkv = torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]).to(dt)
+            b_o = get(a + "o_proj.bias").to(dt)
+        layers.append(
+            Layer(
+                ln1=get(p + "input_layernorm.weight").to(dt),
+                ln2=get(p + "post_attention_layernorm.weight").to(dt),
+                q_norm=get(a + "q_norm.weight").to(dt),
+                k_norm=get(a + "k_norm.weight").to(dt),
+                w_qkv=torch.cat([lin(a + f"{n}_proj.weight") for n in "qkv"]).contiguous(),
+                b_qkv=b_qkv,
+                w_o=lin(a + "o_proj.weight").contiguous(),
+                b_o=b_o,
+                w_gate_up=torch.cat([lin(p + "mlp.gate_proj.weight"), lin(p + "mlp.up_proj.weight")]),
+                w_down=lin(p + "mlp.down_proj.weight").contiguous(),
+            )
+        )
+    embed = get("model.embed_tokens.weight")
+    head = embed if shape.tied or "lm_head.weight" not in sd else get("lm_head.weight")
+    if not shape.tied and "lm_head.weight" not in sd:
+        raise KeyError("state_dict has no 'lm_head.weight' and config.tie_word_embeddings is False")
+    head = prec.weight(head) if prec.quantize_lm_head else head
+    # RoPE table in fp32 exactly as HF computes it (pos * inv_freq), then cast like HF does.
+    pos = torch.arange(rope_len, dtype=torch.float32)
+    freqs = pos[:, None] * shape.inv_freq[None, :]  # [P, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+    return Weights(
+        embed=embed.to(dt).contiguous(),
+        layers=layers,
+        norm=get("model.norm.weight").to(dt),
+        lm_head=head.to(dt).contiguous(),
+        cos=(emb.cos() * shape.rope_scale).to(dt),
+        sin=(emb.sin() * shape.rope_scale).to(dt),
+    )
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF Qwen3RMSNorm: normalize in fp32, round to the input dtype, then scale."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, w.shape, w, eps)  # fused kernel, same math in fp32
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * xf.to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [B, T, h, D]; cos/sin [B, T, 1, D]; rotate_half = cat(-x2, x1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, prec: Precision) -> torch.Tensor:
+    if prec.act is not None:
+        x = prec.act(x)
+    return F.linear(x, w, b)
+
+
+def forward(
+    w: Weights,
+    shape: Shape,
+    prec: Precision,
+    cache: KVCache,
+    ids: torch.Tensor,  # [B, T] token ids written at cache columns [col0, col0 + T)
+    pos: torch.Tensor,  # [B, T] RoPE positions
+    col0: int,
+    mask: torch.Tensor,  # [B, 1, T, col0 + T] bool: True = may attend
+) -> torch.Tensor:
+    """Run T new tokens per row through the model; return the last column's hidden state [B, H]."""
+    B, T = ids.shape
+    Hq, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
+    x = F.embedding(ids, w.embed)  # [B, T, H]
+    cos = w.cos[pos].unsqueeze(2)  # [B, T, 1, D]
+    sin = w.sin[pos].unsqueeze(2)
+    end = col0 + T
+    for li, L in enumerate(w.layers):
+        h = rms_norm(x, L.ln1, shape.eps)
+        qkv = _linear(h, L.w_qkv, L.b_qkv, prec)  # [B, T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
+        q = _rope(rms_norm(q.view(B, T, Hq, D), L.q_norm, shape.eps), cos, sin)
+        k = _rope(rms_norm(k.view(B, T, Hkv, D), L.k_norm, shape.eps), cos, sin)
+        keys, vals = cache.write(li, col0, k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2))
+        a = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys[:, :, :end], vals[:, :, :end], attn_mask=mask, enable_gqa=Hq != Hkv
+        )  # [B, Hq, T, D]
+        x = x + _linear(a.transpose(1, 2).reshape(B, T, Hq * D), L.w_o, L.b_o, prec)
+        h = rms_norm(x, L.ln2, shape.eps)
+        g, u = _linear(h, L.w_gate_up, None, prec).chunk(2, dim=-1)  # [B, T, I] each
+        x = x + _linear(F.silu(g) * u, L.w_down, None, prec)
+    return rms_norm(x[:, -1], w.norm, shape.eps)  # [B, H]
+
+
+def lm_head(w: Weights, prec: Precision, hidden: torch.Tensor) -> torch.Tensor:
+    """[B, H] -> fp32 logits [B, V] (activation hook only when lm_head is quantized too)."""
+    if prec.act is not None and prec.quantize_lm_head:
+        hidden = prec.act(hidden)
+    return F.linear(hidden, w.lm_head).float()
