@@ -1,0 +1,378 @@
+"""The typed configuration of one training run (``mixrl train``).
+
+A run is described by a TOML file plus ``--set key.path=value`` overrides. Every
+field has a docstring and a bound; invalid values are reported with their dotted
+field path (``rollout.group_size: ...``) and the CLI exits with status 2.
+
+This module imports only pydantic and the standard library: the CLI validates a
+configuration before torch or Ray are imported. Values derived from user
+settings (the sampler ``top_p`` taken from the loss preset, the resolved
+``record`` mode, the in-flight prompt bound) live in ``Derived``, apart from the
+settings themselves.
+
+Example (the bundled demo is ``mixrl/configs/demo.toml``)::
+
+    [rollout]
+    group_size = 8
+    prompts_per_step = 8
+
+    [[fleet.groups]]
+    name = "h100-fp8"
+    profile = "h100-fp8"
+    replicas = 1
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Section(BaseModel):
+    # Unknown keys are errors: a typo in a TOML file must not be silently ignored.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The policy that is trained and served."""
+
+    path: str = Field("bundled", min_length=1, description='"bundled" (the small bundled policy) or a HF model directory')
+
+
+class EnvConfig(_Section):
+    """The task family and environment options."""
+
+    name: str = Field("calc", min_length=1, description="task family, as known to mixrl.envs.registry")
+    options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for make_env (max_turns, ...)")
+
+
+class RolloutConfig(_Section):
+    """How trajectories are sampled."""
+
+    group_size: int = Field(8, ge=2, le=1024, description="G: trajectories per prompt (GRPO group)")
+    prompts_per_step: int = Field(8, ge=1, le=4096, description="B: complete groups per trainer update")
+    max_total_tokens: int = Field(160, ge=8, le=1 << 20, description="cap on prompt + generated + tool tokens of one episode")
+    max_new_tokens: int = Field(48, ge=1, le=1 << 20, description="cap on tokens generated in one assistant turn")
+    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature (corrections assume the same T in the trainer)")
+    top_p: float | None = Field(None, gt=0, le=1, description="nucleus mass; None = the loss preset's sampler_top_p")
+    record: str = Field("auto", description='which candidates of q to record: "auto" (support if top_p < 1 else head:K), "support", "head:K", "none"')
+    head_k: int | None = Field(None, ge=1, le=4096, description='K for record = "auto" with full-vocabulary sampling; None = the preset\'s head_k')
+    max_inflight_prompts: int | None = Field(None, ge=1, le=1 << 16, description="prompts being sampled at once (async); None = 2 * prompts_per_step")
+
+    @field_validator("record")
+    @classmethod
+    def _record(cls, v: str) -> str:
+        if v in ("auto", "support", "none") or (v.startswith("head:") and v[5:].isdigit() and int(v[5:]) > 0):
+            return v
+        raise ValueError(f"must be 'auto', 'support', 'none' or 'head:K' with K > 0, got {v!r}")
+
+
+class GroupConfig(_Section):
+    """One sampler group: replicas of one precision profile."""
+
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._+-]+$", description="group name (metric suffix)")
+    profile: str = Field(..., min_length=1, description="precision profile, as known to mixrl.sampling.profiles")
+    replicas: int = Field(1, ge=0, le=256, description="replicas at start")
+    min_replicas: int = Field(0, ge=0, le=256, description="autoscaler lower bound")
+    max_replicas: int = Field(4, ge=1, le=256, description="autoscaler upper bound")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="profile fields to override (with_overrides), e.g. compute_dtype")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> GroupConfig:
+        if not self.min_replicas <= self.replicas <= self.max_replicas:
+            raise ValueError(
+                f"need min_replicas <= replicas <= max_replicas, got {self.min_replicas} <= "
+                f"{self.replicas} <= {self.max_replicas}"
+            )
+        return self
+
+
+class FixedScaling(_Section):
+    """No autoscaling: replica counts change only through the fleet API."""
+
+    type: Literal["fixed"] = "fixed"
+
+
+class InflightScaling(_Section):
+    """Keep in-flight sessions per replica near a target, within [min, max] replicas."""
+
+    type: Literal["inflight"] = "inflight"
+    target: float = Field(16.0, gt=0, le=1 << 16, description="in-flight sessions per replica to aim for")
+    tolerance: float = Field(0.5, ge=0, le=10, description="act when load is outside target * (1 +- tolerance)")
+    interval_s: float = Field(2.0, gt=0, le=3600, description="seconds between decisions")
+
+
+Autoscaling = Annotated[FixedScaling | InflightScaling, Field(discriminator="type")]
+
+
+class FleetConfig(_Section):
+    """The sampler fleet: named groups of replicas, and how they scale."""
+
+    groups: list[GroupConfig] = Field(
+        default_factory=lambda: [GroupConfig(name="fp32", profile="fp32", replicas=1, min_replicas=1)],
+        min_length=1,
+        description="sampler groups",
+    )
+    autoscaler: Autoscaling = Field(default_factory=FixedScaling, description="scaling policy")
+
+    @model_validator(mode="after")
+    def _unique(self) -> FleetConfig:
+        names = [g.name for g in self.groups]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"group names must be unique, repeated: {sorted(dup)}")
+        if sum(g.replicas for g in self.groups) < 1:
+            raise ValueError("the fleet needs at least one replica at start")
+        return self
+
+
+class LossSection(_Section):
+    """The loss: a named preset (mixrl.config.presets) plus field overrides."""
+
+    preset: str = Field("sc+mis+top-p", min_length=1, description="preset name")
+    overrides: dict[str, Any] = Field(default_factory=dict, description="LossConfig fields that replace the preset's")
+
+
+class OptimConfig(_Section):
+    """The trainer's optimizer and numerics."""
+
+    lr: float = Field(1e-4, gt=0, le=1.0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay")
+    grad_clip: float = Field(1.0, gt=0, le=1e6, description="global gradient-norm clip")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="trainer precision (fp32 on CPU)")
+    epochs: int = Field(1, ge=1, le=64, description="optimizer passes over each batch (PPO epochs)")
+    minibatches: int = Field(1, ge=1, le=4096, description="optimizer steps per epoch")
+
+
+class RayConfig(_Section):
+    """Ray backend options."""
+
+    address: str | None = Field(None, description="cluster to join; None = $RAY_ADDRESS or a new local cluster")
+    num_cpus: int | None = Field(None, ge=1, le=4096, description="CPUs of a new local cluster")
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation at the end of the run (pass@k)."""
+
+    enabled: bool = Field(True, description="evaluate base and final policy on the held-out split")
+    n_tasks: int = Field(64, ge=1, le=1 << 20, description="held-out tasks")
+    n: int = Field(4, ge=1, le=1024, description="samples per task")
+    k: int = Field(1, ge=1, le=1024, description="pass@k")
+    seed: int = Field(1234, ge=0, description="evaluation seed (fixed across runs)")
+    base: bool = Field(True, description="also evaluate the starting policy (for the gain)")
+
+    @model_validator(mode="after")
+    def _k(self) -> EvalConfig:
+        if self.k > self.n:
+            raise ValueError(f"k ({self.k}) must be <= n ({self.n})")
+        return self
+
+
+class RuntimeConfig(_Section):
+    """The orchestrator: backend, scheduling mode, length, checkpoints."""
+
+    backend: Literal["inprocess", "ray"] = Field("inprocess", description="how handles are made")
+    mode: Literal["async", "sync"] = Field("async", description="async: samplers never wait; sync: samplers wait for every update")
+    max_staleness: int | None = Field(None, ge=0, le=1 << 20, description="bound on trainer version - token version; None = unbounded")
+    staleness_policy: Literal["drop", "requeue"] = Field("drop", description="what happens to a group beyond max_staleness")
+    steps: int = Field(40, ge=1, le=1 << 24, description="trainer updates")
+    checkpoint_every: int = Field(0, ge=0, le=1 << 24, description="save every N steps (0 = only at the end and on Ctrl-C)")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of data order, sampling and init")
+    max_session_retries: int = Field(8, ge=0, le=1000, description="replica failures one session survives before it is infra_failed")
+    torch_threads: int = Field(1, ge=1, le=1024, description="torch intra-op threads per process")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray backend options")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="final held-out evaluation")
+
+
+class ObserveConfig(_Section):
+    """Where results go."""
+
+    run_dir: str = Field("runs/demo", min_length=1, description="output directory (config, metrics.jsonl, events, checkpoints, eval.json)")
+    tensorboard: bool = Field(True, description="write TensorBoard event files")
+    progress: bool = Field(True, description="show a progress bar")
+
+
+class RunConfig(_Section):
+    """One training run."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    loss: LossSection = Field(default_factory=LossSection)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
+    observe: ObserveConfig = Field(default_factory=ObserveConfig)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """Values computed from the settings (never set by the user)."""
+
+    top_p: float  # sampler nucleus mass actually used
+    record: str  # "support" | "head:K" | "none"
+    max_inflight_prompts: int
+
+
+def derive(cfg: RunConfig, preset_top_p: float = 1.0, preset_head_k: int = 64) -> Derived:
+    """Resolve ``top_p`` (explicit or the preset's), ``record`` and the in-flight bound."""
+    top_p = cfg.rollout.top_p if cfg.rollout.top_p is not None else preset_top_p
+    rec = cfg.rollout.record
+    if rec == "auto":
+        rec = "support" if top_p < 1.0 else f"head:{cfg.rollout.head_k or preset_head_k}"
+    inflight = cfg.rollout.max_inflight_prompts or 2 * cfg.rollout.prompts_per_step
+    return Derived(top_p=top_p, record=rec, max_inflight_prompts=inflight)
+
+
+class ConfigError(ValueError):
+    """A configuration error; ``str(e)`` names the field path(s)."""
+
+
+def _parse_value(text: str) -> Any:
+    """A ``--set`` value: a TOML literal (1, 0.5, true, "x", [1, 2]) or a bare string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(tree: dict[str, Any], assignment: str, defaults: dict[str, Any] | None = None) -> None:
+    """Apply ``key.path=value`` to a nested dict.
+
+    List elements are addressed by index (``fleet.groups.0.replicas=2``). A section
+    missing from ``tree`` is copied from ``defaults`` (the default config) first, so
+    overrides also reach into default lists. ``null`` sets a field to None.
+    """
+    if "=" not in assignment:
+        raise ConfigError(f"--set expects key.path=value, got {assignment!r}")
+    key, text = assignment.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"--set has an empty key in {assignment!r}")
+    value = None if text.strip() == "null" else _parse_value(text.strip())
+    node: Any = tree
+    dnode: Any = defaults
+    for i, part in enumerate(parts):
+        where = ".".join(parts[: i + 1])
+        last = i == len(parts) - 1
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise ConfigError(f"{where}: no list element {part!r} (the list has {len(node)})")
+            idx = int(part)
+            if last:
+                node[idx] = value
+                return
+            node = node[idx]
+            dnode = dnode[idx] if isinstance(dnode, list) and idx < len(dnode) else None
+            continue
+        if not isinstance(node, dict):
+            raise ConfigError(f"{'.'.join(parts[:i])}: is a value, not a section")
+        if last:
+            node[part] = value
+            return
+        dchild = dnode.get(part) if isinstance(dnode, dict) else None
+        if part not in node:
+            node[part] = _deepcopy(dchild) if isinstance(dchild, dict | list) else {}
+        node, dnode = node[part], dchild
+
+
+def format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
+        lines.append(f"{path}: {e['msg']}{got}")
+    return "\n".join(lines)
+
+
+def build_config(tree: dict[str, Any], overrides: list[str] = ()) -> RunConfig:  # type: ignore[assignment]
+    """Validate a raw dict after applying overrides; raise ``ConfigError`` naming the fields."""
+    tree = _deepcopy(tree)
+    defaults = RunConfig().model_dump(mode="json")
+    for o in overrides:
+        apply_override(tree, o, defaults)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(format_errors(e)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:  # type: ignore[assignment]
+    """Read a TOML file (None = the bundled demo) and apply ``--set`` overrides."""
+    p = Path(path) if path is not None else demo_config_path()
+    try:
+        tree = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {p}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: invalid TOML: {e}") from None
+    return build_config(tree, list(overrides))
+
+
+def demo_config_path() -> Path:
+    return Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML (what ``--dry-run`` prints and the run dir keeps)."""
+    return _dump_toml(cfg.model_dump(mode="json"))
+
+
+def _deepcopy(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _deepcopy(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_deepcopy(v) for v in x]
+    return x
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{ " + ", ".join(f"{_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
+    raise TypeError(f"cannot write {type(v).__name__} as TOML")
+
+
+def _key(k: str) -> str:
+    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
+
+
+def _dump_toml(tree: dict[str, Any], prefix: str = "") -> str:
+    """Small TOML writer for the config tree (None values are omitted: TOML has no null)."""
+    out: list[str] = []
+    scalars = {k: v for k, v in tree.items() if not _is_table(v) and not _is_table_list(v)}
+    for k, v in scalars.items():
+        if v is None:
+            out.append(f"# {k} = (unset)")
+        else:
+            out.append(f"{_key(k)} = {_toml_value(v)}")
+    for k, v in tree.items():
+        name = f"{prefix}.{_key(k)}" if prefix else _key(k)
+        if _is_table(v):
+            out.append(f"\n[{name}]")
+            out.append(_dump_toml(v, name))
+        elif _is_table_list(v):
+            for item in v:
+                out.append(f"\n[[{name}]]")
+                out.append(_dump_toml(item, name))
+    return "\n".join(x for x in out if x != "")
+
+
+def _is_table(v: Any) -> bool:
+    # A non-empty dict becomes a [table]; an empty one is written inline as {}.
+    return isinstance(v, dict) and bool(v)
+
+
+def _is_table_list(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)

@@ -1,0 +1,32 @@
+"""The handle a backend makes for one sampler replica.
+
+The fleet and the router talk only to this interface; the in-process backend
+wraps a ``BatchingSampler`` in this process, the Ray backend an actor. A handle
+raises ``ReplicaFailure`` when the replica itself is gone (engine crash, dead
+actor), never for a bad request: a bad request comes back as a result with an
+error ``finish_reason``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from mixrl.sampling.base import GenerationRequest, GenerationResult
+
+
+class SamplerHandle(abc.ABC):
+    name: str  # unique replica name, "<group>/<index>"
+    group: str  # sampler group
+
+    @abc.abstractmethod
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """One request; ``ReplicaFailure`` if the replica died."""
+
+    @abc.abstractmethod
+    async def load_weights(self, ref: Any, version: int) -> None:
+        """Load a stored version (``ref`` from the weight store); quantize on load."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Release the replica (idempotent)."""

@@ -1,0 +1,113 @@
+"""Metric sinks: ``metrics.jsonl`` (one JSON object per step) and TensorBoard.
+
+Every record is ``{"step": int, "time": seconds since the run started, ...metrics}``
+with flat, namespaced keys (CORRECTIONS.md §10; per sampler group as
+``<metric>/<group>``). Non-finite values are written as JSON ``null`` in the
+JSONL file (JSON has no NaN) and skipped in TensorBoard.
+
+``REQUIRED`` lists the §10 metrics a training run reports every step and
+``PER_GROUP`` those also reported per sampler group; ``missing()`` says which
+are absent from a record (tests use it on real runs).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+PER_GROUP = (
+    "mismatch/kl_k1",
+    "mismatch/kl_k3",
+    "mismatch/tv",
+    "mismatch/ratio_oob",
+    "rollout/reward",
+    "rollout/length",
+    "rollout/turns",
+    "share/samples",
+    "share/oob_tokens",
+)
+REQUIRED = PER_GROUP + (
+    "policy/tv",
+    "corr/masked_frac",
+    "corr/truncated_frac",
+    "corr/seq_dropped_frac",
+    "corr/ess",
+    "policy/entropy",
+    "optim/grad_norm",
+    "rollout/format_error_end",
+    "rollout/staleness_mean",
+    "rollout/staleness_max",
+)
+# with the support recorded (top-p < 1) the exact KL is reported too
+EXACT = "mismatch/kl_exact"
+
+
+def missing(record: Mapping[str, Any], groups: list[str], exact: bool = False) -> list[str]:
+    """Names of required metrics absent from one step's record."""
+    want = list(REQUIRED) + [f"{m}/{g}" for m in PER_GROUP for g in groups]
+    if exact:
+        want += [EXACT] + [f"{EXACT}/{g}" for g in groups]
+    return [k for k in want if k not in record]
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    return v
+
+
+class JsonlSink:
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - held open for the run
+
+    def write(self, step: int, time_s: float, metrics: Mapping[str, Any]) -> None:
+        rec = {"step": step, "time": round(time_s, 4)}
+        rec.update({k: _clean(v) for k, v in sorted(metrics.items())})
+        self._f.write(json.dumps(rec, allow_nan=False) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: str | Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, step: int, time_s: float, metrics: Mapping[str, Any]) -> None:
+        for k, v in metrics.items():
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+                continue
+            self._w.add_scalar(k, float(v), global_step=step)
+        self._w.add_scalar("time/elapsed_s", float(time_s), global_step=step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class Sinks:
+    """Fan-out to the configured sinks."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+        run_dir = Path(run_dir)
+        self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
+        if tensorboard:
+            self.sinks.append(TensorBoardSink(run_dir / "tb"))
+
+    def write(self, step: int, time_s: float, metrics: Mapping[str, Any]) -> None:
+        for s in self.sinks:
+            s.write(step, time_s, metrics)
+
+    def close(self) -> None:
+        for s in self.sinks:
+            s.close()

@@ -1,0 +1,84 @@
+"""From complete groups to the trainer's inputs, and the rollout metrics of a batch.
+
+Advantages are GRPO's (``mixrl.corrections.grpo_advantages``): infrastructure
+failures are excluded from their group's statistics and get no loss; a group
+whose rewards are all equal gets advantage 0 (counted).
+
+Rollout metrics (CORRECTIONS.md §10), over the batch's episodes that did not
+fail for infrastructure reasons; per sampler group ``g`` over the episodes
+whose generated tokens came mostly from ``g`` (a session re-routed after a
+failure may span groups):
+
+    rollout/reward, rollout/length (generated tokens), rollout/turns   (and /<g>)
+    rollout/format_error_end   share of episodes ended by repeated format errors
+    rollout/infra_failed       episodes lost to infrastructure (never reward 0)
+    rollout/status/<status>    share of each status
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from mixrl.rollout.types import STATUSES, Trajectory
+
+
+def main_group(t: Trajectory) -> str:
+    """The sampler group that generated most of ``t``'s tokens ("" if none)."""
+    c = Counter(g for g, m in zip(t.groups, t.loss_mask, strict=True) if m)
+    return c.most_common(1)[0][0] if c else ""
+
+
+def advantages(groups: list[list[Trajectory]], loss_cfg: Any) -> tuple[list[Trajectory], list[float], dict[str, float]]:
+    """Flatten ``groups`` (prompt order, then sample order) and compute GRPO advantages."""
+    import torch
+
+    from mixrl.corrections import grpo_advantages
+
+    trajs = [t for g in groups for t in g]
+    rewards = torch.tensor(
+        [float("nan") if t.reward is None else float(t.reward) for t in trajs], dtype=torch.float64
+    )
+    index = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
+    adv_cfg = getattr(loss_cfg, "advantage", None)
+    kw = {"use_std": adv_cfg.use_std, "eps": adv_cfg.eps} if adv_cfg is not None else {}
+    out = grpo_advantages(rewards, index, [t.status for t in trajs], **kw)
+    return trajs, [float(a) for a in out.advantages.tolist()], dict(out.stats)
+
+
+def rollout_metrics(trajs: list[Trajectory], group_names: list[str]) -> dict[str, float]:
+    ok = [t for t in trajs if t.status != "infra_failed"]
+    m: dict[str, float] = {"rollout/episodes": float(len(trajs))}
+    m["rollout/infra_failed"] = float(len(trajs) - len(ok))
+
+    def put(prefix: str, items: list[Trajectory]) -> None:
+        if not items:
+            return
+        n = len(items)
+        m[f"rollout/reward{prefix}"] = sum(float(t.reward or 0.0) for t in items) / n
+        m[f"rollout/length{prefix}"] = sum(t.num_generated for t in items) / n
+        m[f"rollout/turns{prefix}"] = sum(t.turns for t in items) / n
+
+    put("", ok)
+    by_group: dict[str, list[Trajectory]] = {g: [] for g in group_names}
+    for t in ok:
+        by_group.setdefault(main_group(t), []).append(t)
+    for g, items in by_group.items():
+        if g:
+            put(f"/{g}", items)
+    n = max(len(trajs), 1)
+    for s in STATUSES:
+        m[f"rollout/status/{s}"] = sum(t.status == s for t in trajs) / n
+    m["rollout/format_error_end"] = sum(t.status == "format_error" for t in trajs) / n
+    m["rollout/malformed_calls"] = float(sum(t.num_malformed for t in trajs))
+    return m
+
+
+def tokens_by_group(trajs: list[Trajectory]) -> dict[str, int]:
+    """Generated tokens per sampler group (cost accounting)."""
+    c: Counter[str] = Counter()
+    for t in trajs:
+        for g, mk in zip(t.groups, t.loss_mask, strict=True):
+            if mk:
+                c[g] += 1
+    return dict(c)

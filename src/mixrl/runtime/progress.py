@@ -1,0 +1,50 @@
+"""A rich progress bar: step, reward, KL, staleness, time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+KL_KEYS = ("mismatch/kl_exact", "mismatch/kl_k3")
+
+
+class ProgressBar:
+    def __init__(self, total: int, start: int = 0, enabled: bool = True):
+        self.enabled = enabled
+        if not enabled:
+            return
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        self._p = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+        )
+        self._task = self._p.add_task("train", total=total, completed=start, info="waiting for the first batch")
+        self._p.start()
+
+    def update(self, step: int, m: dict[str, Any], elapsed: float) -> None:
+        if not self.enabled:
+            return
+        kl_key = next((k for k in KL_KEYS if k in m), None)
+        kl = f"{m[kl_key]:.2e}" if kl_key else "-"
+        info = (
+            f"reward {m.get('rollout/reward', float('nan')):.3f}  kl {kl}  "
+            f"stale {m.get('rollout/staleness_mean', 0.0):.2f}/{m.get('rollout/staleness_max', 0.0):.0f}  "
+            f"{elapsed:.0f}s"
+        )
+        self._p.update(self._task, completed=step, info=info)
+
+    def note(self, text: str) -> None:
+        if self.enabled:
+            self._p.console.print(text)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self.enabled:
+            self._p.stop()

@@ -1,0 +1,210 @@
+"""One training run from a validated config: resolve, build, train, evaluate.
+
+    resolve_loss(cfg)     preset + overrides -> LossConfig (checked against the optimizer)
+    train(cfg, ...)       run dir, backend, orchestrator, final checkpoint, held-out eval
+
+The run directory receives ``config.toml`` (the resolved config), ``derived.json``,
+``metrics.jsonl``, TensorBoard events under ``tb/``, ``collapse.jsonl``,
+checkpoints, the final policy under ``policy/``, ``eval.json`` and
+``summary.json``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from mixrl.config.run import Derived, RunConfig, derive, to_toml
+
+
+def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
+    """The loss config (preset + overrides) and the derived sampling values."""
+    from pydantic import ValidationError
+
+    from mixrl.config.loss import LossConfig, check_compatible
+    from mixrl.config.presets import get_preset
+    from mixrl.config.run import ConfigError, format_errors
+
+    try:
+        preset = get_preset(cfg.loss.preset)
+    except ValueError as e:
+        raise ConfigError(f"loss.preset: {e}") from None
+    loss = preset.loss
+    if cfg.loss.overrides:
+        try:
+            loss = LossConfig.model_validate({**loss.model_dump(), **cfg.loss.overrides})
+        except ValidationError as e:
+            raise ConfigError("\n".join("loss.overrides." + line for line in format_errors(e).splitlines())) from None
+    try:
+        check_compatible(loss, cfg.optim.epochs)
+    except ValueError as e:
+        raise ConfigError(f"optim.epochs / loss: {e}") from None
+    derived = derive(cfg, preset.sampler_top_p, preset.head_k)
+    if getattr(loss, "support_replay", False) and not derived.record == "support":
+        raise ConfigError(f"rollout.record: loss.preset {cfg.loss.preset!r} replays the top-p support: rollout.record must be 'support' (got {derived.record!r})")
+    return loss, derived
+
+
+def group_profiles(cfg: RunConfig) -> dict[str, Any]:
+    from mixrl.config.run import ConfigError
+    from mixrl.sampling.profiles import get_profile, with_overrides
+
+    out = {}
+    for i, g in enumerate(cfg.fleet.groups):
+        try:
+            prof = get_profile(g.profile)
+        except (KeyError, ValueError) as e:
+            raise ConfigError(f"fleet.groups.{i}.profile: {e}") from None
+        try:
+            out[g.name] = with_overrides(prof, **g.overrides) if g.overrides else prof
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"fleet.groups.{i}.overrides: {e}") from None
+    return out
+
+
+def make_backend(cfg: RunConfig, model_path: str, loss_cfg: Any) -> Any:
+    if cfg.runtime.backend == "ray":
+        from mixrl.runtime.backends.ray_backend import RayBackend
+
+        return RayBackend(cfg, model_path, loss_cfg)
+    from mixrl.runtime.backends.inprocess import InProcessBackend
+
+    return InProcessBackend(cfg, model_path, loss_cfg)
+
+
+class _RunSinks:
+    """metrics.jsonl + TensorBoard + collapse events."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool):
+        from mixrl.observe.sinks import Sinks
+
+        self._s = Sinks(run_dir, tensorboard)
+        self._events = run_dir / "collapse.jsonl"
+
+    def write(self, step: int, t: float, m: dict[str, Any]) -> None:
+        self._s.write(step, t, m)
+
+    def events(self, evs: list[dict[str, Any]]) -> None:
+        with open(self._events, "a") as f:
+            for e in evs:
+                f.write(json.dumps(e, default=float) + "\n")
+
+    def close(self) -> None:
+        self._s.close()
+
+
+def train(
+    cfg: RunConfig,
+    *,
+    resume: bool = False,
+    evaluate: bool | None = None,
+    progress: bool | None = None,
+    hook: Any = None,
+) -> dict[str, Any]:
+    """Run (or continue, with ``resume``) the training ``cfg`` describes; returns the summary.
+
+    ``hook(orch)`` is awaited after setup (tests use it to inject faults).
+    """
+    import torch
+
+    from mixrl.models.policy import resolve
+    from mixrl.runtime.checkpointing import load
+    from mixrl.runtime.orchestrator import Orchestrator
+    from mixrl.runtime.progress import ProgressBar
+
+    torch.set_num_threads(cfg.runtime.torch_threads)
+    run_dir = Path(cfg.observe.run_dir)
+    payload = load(run_dir) if resume else None
+    if resume and payload is None:
+        raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    loss_cfg, derived = resolve_loss(cfg)
+    model_path = str(resolve(cfg.model.path))
+    (run_dir / "config.toml").write_text(to_toml(cfg) + "\n")
+    (run_dir / "derived.json").write_text(json.dumps({**derived.__dict__, "model_path": model_path}, indent=2) + "\n")
+    profiles = group_profiles(cfg)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    bar = ProgressBar(cfg.runtime.steps, payload["step"] if payload else 0, cfg.observe.progress if progress is None else progress)
+    sinks = _RunSinks(run_dir, cfg.observe.tensorboard)
+
+    async def main() -> dict[str, Any]:
+        backend = make_backend(cfg, model_path, loss_cfg)
+        await backend.start()
+        orch = Orchestrator(
+            cfg, backend, model_path=model_path, loss_cfg=loss_cfg, derived=derived,
+            tokenizer=tokenizer, profiles=profiles, sinks=sinks, progress=bar, resume=payload,
+        )
+        try:
+            await orch.setup()
+            if hook is not None:
+                await hook(orch)
+            summary = await orch.run()
+            if not summary["interrupted"]:
+                await orch.trainer.save_policy(str(run_dir / "policy"))
+            summary["orchestrator"] = orch
+            return summary
+        finally:
+            if hasattr(orch, "fleet"):
+                await orch.close()
+            await backend.shutdown()
+
+    t0 = time.perf_counter()
+    try:
+        summary = asyncio.run(main())
+    finally:
+        bar.close()
+        sinks.close()
+    orch = summary.pop("orchestrator")
+    summary["wall_s"] = time.perf_counter() - t0
+    do_eval = cfg.runtime.eval.enabled if evaluate is None else evaluate
+    if do_eval and not summary["interrupted"]:
+        summary["eval"] = run_eval(cfg, model_path, str(run_dir / "policy"))
+        (run_dir / "eval.json").write_text(json.dumps(summary["eval"], indent=2) + "\n")
+    summary["history"] = orch.history
+    (run_dir / "summary.json").write_text(
+        json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2, default=float) + "\n"
+    )
+    return summary
+
+
+def run_eval(cfg: RunConfig, base_path: str, final_path: str) -> dict[str, Any]:
+    """pass@k on the held-out split, of the starting and the final policy."""
+    from mixrl.rollout.evaluate import evaluate
+
+    e = cfg.runtime.eval
+    out: dict[str, Any] = {"task": cfg.env.name, "k": e.k, "n": e.n, "n_tasks": e.n_tasks, "seed": e.seed}
+    kw = dict(k=e.k, n=e.n, n_tasks=e.n_tasks, seed=e.seed, task=cfg.env.name,
+              max_total_tokens=cfg.rollout.max_total_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
+              temperature=cfg.rollout.temperature, env_options=dict(cfg.env.options))
+    t0 = time.perf_counter()
+    out["final"] = _call_eval(evaluate, final_path, kw)
+    if e.base:
+        out["base"] = _call_eval(evaluate, base_path, kw)
+        fk, bk = _score(out["final"], e.k), _score(out["base"], e.k)
+        if fk is not None and bk is not None:
+            out["gain"] = fk - bk
+    out["eval_s"] = time.perf_counter() - t0
+    return out
+
+
+def _call_eval(evaluate: Any, path: str, kw: dict[str, Any]) -> dict[str, Any]:
+    """Call ``evaluate`` with the keywords it accepts."""
+    import inspect
+
+    params = inspect.signature(evaluate).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kw = {k: v for k, v in kw.items() if k in params}
+    return dict(evaluate(path, **kw))
+
+
+def _score(res: dict[str, Any], k: int) -> float | None:
+    for key in (f"pass@{k}", "pass_at_k", "score", "reward"):
+        v = res.get(key)
+        if isinstance(v, int | float):
+            return float(v)
+    return None

@@ -1,0 +1,166 @@
+"""Rollout workers: the concurrent sessions of the prompts in flight.
+
+``Sessions.issue(task)`` opens the prompt in the buffer and starts its G
+sessions (asyncio tasks) with ``run_episode``; each finished trajectory goes
+into the buffer. Every turn goes through ``Fleet.generate`` (sticky routing,
+retries across replicas), so a session lives through replica failures and
+weight updates; each token keeps the version and group that produced it.
+
+For checkpoints every session keeps a *shadow*: the turns it completed (the
+request prefix and the result). ``partials()`` turns the shadows into partial
+trajectories at turn granularity, which ``run_episode(resume=...)`` replays
+after a restart; a turn still being decoded at checkpoint time is decoded
+again after resume.
+
+Per-request seeds are derived from (run seed, request id): sampling does not
+depend on which replica or batch serves a request, which makes sync runs
+reproducible across a resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+from mixrl.envs.base import Task
+from mixrl.fleet.fleet import Fleet
+from mixrl.rollout.buffer import RolloutBuffer
+from mixrl.rollout.types import Trajectory
+from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
+
+
+def request_seed(run_seed: int, request_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(f"{run_seed}|{request_id}".encode(), digest_size=8).digest(), "big") >> 1
+
+
+def task_to_dict(task: Task) -> dict[str, Any]:
+    return dataclasses.asdict(task)
+
+
+def task_from_dict(d: dict[str, Any]) -> Task:
+    return Task(**d)
+
+
+@dataclasses.dataclass
+class _Shadow:
+    prompt_id: str
+    sample_idx: int
+    turns: list[tuple[list[int], GenerationResult]] = dataclasses.field(default_factory=list)
+
+    def partial(self) -> Trajectory | None:
+        """The completed turns as a partial trajectory (None before the first turn)."""
+        if not self.turns:
+            return None
+        last_prefix, last_res = self.turns[-1]
+        tokens = list(last_prefix) + list(last_res.token_ids)
+        n = len(tokens)
+        t = Trajectory(prompt_id=self.prompt_id, sample_idx=self.sample_idx, tokens=tokens)
+        t.loss_mask, t.sampler_logprobs = [0] * n, [0.0] * n
+        t.versions, t.groups = [-1] * n, [""] * n
+        for prefix, res in self.turns:
+            s = len(prefix)
+            for j in range(len(res.token_ids)):
+                t.loss_mask[s + j] = 1
+                t.sampler_logprobs[s + j] = float(res.logprobs[j])
+                t.versions[s + j] = res.version
+                t.groups[s + j] = res.group
+            base = t.cand_offsets[-1]
+            t.cand_offsets += [base + o for o in res.cand_offsets[1:]]
+            t.cand_ids += res.cand_ids
+            t.cand_logprobs += [float(x) for x in res.cand_logprobs]
+            if res.cand_kind != "none":
+                t.cand_kind = res.cand_kind
+        t.turns = len(self.turns)
+        t.info["finish_reasons"] = [r.finish_reason for _, r in self.turns]
+        return t
+
+
+class Sessions:
+    def __init__(
+        self,
+        fleet: Fleet,
+        buffer: RolloutBuffer,
+        make_env: Callable[[Task], Any],
+        params: SamplingParams,
+        *,
+        max_total_tokens: int,
+        seed: int,
+        on_complete: Callable[[str], None] | None = None,
+    ):
+        from mixrl.rollout.session import run_episode
+
+        self._run_episode = run_episode
+        self.fleet, self.buffer, self.make_env, self.params = fleet, buffer, make_env, params
+        self.max_total_tokens, self.seed = max_total_tokens, seed
+        self.on_complete = on_complete
+        self.tasks: dict[str, asyncio.Task[None]] = {}  # session id -> asyncio task
+        self.shadows: dict[str, _Shadow] = {}
+        self.finished = 0  # sessions that delivered a trajectory
+        self.errors: list[BaseException] = []
+
+    def issue(self, task: Task, resume: dict[int, Trajectory] | None = None) -> None:
+        """Open ``task`` in the buffer and start its G sessions."""
+        self.buffer.open(task.prompt_id, task_to_dict(task))
+        self.start_missing(task, resume or {})
+
+    def start_missing(self, task: Task, resume: dict[int, Trajectory]) -> None:
+        """Start a session for every sample of an open prompt that has no trajectory."""
+        for i in self.buffer.missing(task.prompt_id):
+            sid = f"{task.prompt_id}#{i}"
+            if sid in self.tasks:
+                raise RuntimeError(f"session {sid} is already running")
+            self.shadows[sid] = _Shadow(task.prompt_id, i)
+            self.tasks[sid] = asyncio.ensure_future(self._session(task, i, sid, resume.get(i)))
+
+    async def _session(self, task: Task, idx: int, sid: str, resume: Trajectory | None) -> None:
+        shadow = self.shadows[sid]
+
+        async def generate(req: GenerationRequest) -> GenerationResult:
+            # The seed depends only on the request id (prompt, sample, turn): replica-independent.
+            req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=request_seed(self.seed, req.request_id)))
+            res = await self.fleet.generate(sid, req)
+            shadow.turns.append((list(req.prompt_ids), res))
+            return res
+
+        try:
+            env = self.make_env(task)
+            traj = await self._run_episode(
+                env, generate, self.params, prompt_id=task.prompt_id, sample_idx=idx,
+                max_total_tokens=self.max_total_tokens, resume=resume,
+            )
+            traj.info.pop("finish_reasons", None)
+            completed = self.buffer.add(traj)
+            self.finished += 1
+            if completed and self.on_complete is not None:
+                self.on_complete(task.prompt_id)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # a bug here must stop the run, not vanish in a task
+            self.errors.append(e)
+            if self.on_complete is not None:
+                self.on_complete(task.prompt_id)
+        finally:
+            self.fleet.end_session(sid)
+            self.tasks.pop(sid, None)
+            self.shadows.pop(sid, None)
+
+    def inflight(self) -> int:
+        return len(self.tasks)
+
+    def partials(self) -> dict[str, dict[str, Any]]:
+        """session id -> partial trajectory dict (sessions with at least one completed turn)."""
+        out = {}
+        for sid, sh in self.shadows.items():
+            p = sh.partial()
+            if p is not None:
+                out[sid] = p.to_dict()
+        return out
+
+    async def cancel_all(self) -> None:
+        tasks = list(self.tasks.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

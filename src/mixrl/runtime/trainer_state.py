@@ -1,0 +1,82 @@
+"""Building the trainer from a run config, and its checkpoint state.
+
+Used by both backends (the Ray trainer actor calls these in its own process).
+The state holds the model, the optimizer, the version and every RNG the
+trainer draws from, so a resumed run continues with identical numbers.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from mixrl.config.run import RunConfig
+
+
+def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any) -> tuple[Any, Any]:
+    """(Trainer, tokenizer) for ``cfg`` starting from the policy at ``model_path``."""
+    import torch
+
+    from mixrl.models.policy import load_policy
+    from mixrl.train.trainer import Trainer
+
+    torch.set_num_threads(cfg.runtime.torch_threads)
+    torch.manual_seed(cfg.runtime.seed)
+    random.seed(cfg.runtime.seed)
+    model, tok = load_policy(model_path)
+    o = cfg.optim
+    trainer = Trainer(
+        model,
+        loss_cfg,
+        lr=o.lr,
+        weight_decay=o.weight_decay,
+        grad_clip=o.grad_clip,
+        precision=o.precision,
+        epochs=o.epochs,
+        minibatches=o.minibatches,
+        temperature=cfg.rollout.temperature,
+    )
+    return trainer, tok
+
+
+def trainer_state(trainer: Any) -> dict[str, Any]:
+    import torch
+
+    if hasattr(trainer, "state_dict"):
+        state = dict(trainer.state_dict())
+    else:
+        state = {
+            "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            "optimizer": trainer.optimizer.state_dict(),
+            "version": int(trainer.version),
+        }
+    state["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    return state
+
+
+def load_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
+    import torch
+
+    state = dict(state)
+    rng = state.pop("rng")
+    if hasattr(trainer, "load_state_dict"):
+        trainer.load_state_dict(state)
+    else:
+        trainer.model.load_state_dict(state["model"])
+        trainer.optimizer.load_state_dict(state["optimizer"])
+        trainer.version = int(state["version"])
+    torch.set_rng_state(rng["torch"])
+    random.setstate(_tupled(rng["python"]))
+
+
+def _tupled(x: Any) -> Any:
+    return tuple(_tupled(v) for v in x) if isinstance(x, list | tuple) else x
+
+
+def save_policy(trainer: Any, tokenizer: Any, out_dir: str) -> None:
+    """The current policy as an HF directory (FP32 weights + tokenizer)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer.model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
