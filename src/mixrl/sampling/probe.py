@@ -1,0 +1,284 @@
+"""``mixrl probe``: how far each precision profile's sampler is from the trainer.
+
+For every profile, the built-in engine generates from the same prompts with the
+same per-request seeds (common random numbers: profiles differ only through
+their numerics), recording log q of the sampled token and of its whole support.
+The trainer's full forward (FP32, or BF16 with ``--trainer-dtype bf16``) then
+scores exactly those tokens, and the CORRECTIONS.md §10 metrics are computed
+with ``mixrl.corrections.metrics.mismatch_metrics``:
+
+    mismatch/kl_k1, mismatch/kl_k3, mismatch/kl_exact, mismatch/tv, mismatch/ratio_oob
+
+plus ``max_abs_log_ratio`` (max_t |log p̃(y_t) − log q(y_t)|) and ``tokens``.
+The trainer's distribution is the support-replayed p̃ (§3): log-softmax of
+logits/T renormalised on the recorded support (the whole vocabulary at
+temperature sampling without top-p/top-k, where p̃ = p).
+
+    mixrl probe                                       # bundled policy, every profile
+    mixrl probe --profiles fp32,h100-bf16,h100-fp8,b200-nvfp4 --json
+    mixrl probe --model DIR --prompts prompts.jsonl   # JSON lists of token ids
+
+k1 is noisy at a few thousand tokens and can be negative; read k3 or kl_exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+METRICS = (
+    "mismatch/kl_k1",
+    "mismatch/kl_k3",
+    "mismatch/kl_exact",
+    "mismatch/tv",
+    "mismatch/ratio_oob",
+)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--model", default="bundled", help="HF model directory, or 'bundled' (default)")
+    a("--profiles", default="", help="comma-separated profile names (default: all)")
+    a("--profiles-file", default=None, help="TOML merged over the profile catalogue")
+    a("--prompts", default="tasks", help="'tasks' (bundled held-out tasks), 'random', or a "
+      "file: a JSON list of token-id lists, or JSON lines of lists")  # fmt: skip
+    a("--task", default="mix", help="task family for --prompts tasks (default: mix)")
+    a("--num-prompts", type=int, default=64, help="prompts to use (default 64)")
+    a("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
+    a("--temperature", type=float, default=1.0, help="sampling temperature (default 1)")
+    a("--trainer-dtype", choices=("fp32", "bf16"), default="fp32", help="trainer forward dtype")
+    a("--compute-dtype", choices=("profile", "float32", "bfloat16"), default="profile",
+      help="override every profile's compute dtype (e.g. float32 for fast CPU runs)")  # fmt: skip
+    a("--seed", type=int, default=0, help="seed of prompts and sampling")
+    a("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    a("--json", action="store_true", help="print one JSON object {'profiles': {NAME: {...}}}")
+
+
+def _positive(args: argparse.Namespace) -> None:
+    for name in ("num_prompts", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {args.temperature}")
+
+
+def select_profiles(names: str, extra: str | None) -> list[Any]:
+    from mixrl.sampling.profiles import get_profile, load_profiles
+
+    catalogue = load_profiles(extra)
+    if not names.strip():
+        return list(catalogue.values())
+    return [get_profile(n.strip(), extra) for n in names.split(",") if n.strip()]
+
+
+def load_prompts(
+    spec: str, model_path: Path, args: argparse.Namespace
+) -> tuple[list[list[int]], tuple[int, ...]]:
+    """(prompts, extra stop ids). See ``--prompts``."""
+    import torch
+
+    n = args.num_prompts
+    if spec == "tasks":
+        import asyncio
+
+        from transformers import AutoTokenizer
+
+        from mixrl.envs.chat import ChatFormat
+        from mixrl.envs.registry import make_env, make_task_source
+
+        chat = ChatFormat(AutoTokenizer.from_pretrained(str(model_path)))
+        src = make_task_source(args.task, "heldout", seed=args.seed)
+        prompts = [asyncio.run(make_env(src[i % len(src)], chat).reset()) for i in range(n)]
+        return prompts, (chat.end_of_turn_id,)
+    if spec == "random":
+        from transformers import AutoConfig
+
+        vocab = int(AutoConfig.from_pretrained(str(model_path)).vocab_size)
+        g = torch.Generator().manual_seed(args.seed)
+        return [torch.randint(0, vocab, (8,), generator=g).tolist() for _ in range(n)], ()
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"--prompts {spec!r} is neither 'tasks', 'random' nor an existing file")
+    text = path.read_text()
+    try:
+        rows = json.loads(text) if text.lstrip().startswith("[[") else [
+            json.loads(line) for line in text.splitlines() if line.strip()
+        ]  # fmt: skip
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--prompts {spec}: not JSON token-id lists ({e})") from e
+    for i, r in enumerate(rows):
+        if not (isinstance(r, list) and r and all(isinstance(t, int) and t >= 0 for t in r)):
+            raise ValueError(
+                f"--prompts {spec}: entry {i} is not a non-empty list of ids >= 0: {r!r}"
+            )
+    return rows[:n], ()
+
+
+def score_support(
+    model: Any, prompts: list[list[int]], results: list[Any], temperature: float
+) -> dict[str, Any]:
+    """Trainer log p̃ of each sampled token and of each recorded candidate, float64.
+
+    Returns flat tensors over the N generated tokens / K candidates:
+    ``logp`` [N], ``logq`` [N], ``cand_logp`` [K], ``cand_logq`` [K], ``offsets`` [N+1],
+    ``seq_ids`` [N].
+    """
+    import torch
+
+    logp, logq, clp, clq, offs, seq = [], [], [], [], [torch.zeros(1, dtype=torch.long)], []
+    base = 0
+    dev = next(model.parameters()).device
+    for i, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
+        g = len(res.token_ids)
+        if g == 0:
+            continue
+        ids = torch.tensor([prompt + res.token_ids], device=dev)  # [1, P+G]
+        with torch.inference_mode():
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [G, V]
+        lsm = torch.log_softmax(logits.float() / temperature, dim=-1).double()  # [G, V]
+        o = torch.tensor(res.cand_offsets, dtype=torch.long)  # [G+1]
+        cid = torch.tensor(res.cand_ids, dtype=torch.long)  # [K_i]
+        pos = torch.repeat_interleave(torch.arange(g), o[1:] - o[:-1])  # [K_i]
+        c = lsm[pos, cid]  # [K_i] log p(v), v in S_t
+        log_z = (
+            torch.zeros(g, dtype=torch.float64).index_add(0, pos, c.exp()).log()
+        )  # [G] log p(S_t)
+        tok = torch.tensor(res.token_ids, dtype=torch.long)
+        logp.append(lsm[torch.arange(g), tok] - log_z)  # log p̃(y_t)
+        clp.append(c - log_z[pos])
+        logq.append(torch.tensor(res.logprobs, dtype=torch.float64))
+        clq.append(torch.tensor(res.cand_logprobs, dtype=torch.float64))
+        offs.append(o[1:] + base)
+        base += int(o[-1])
+        seq.append(torch.full((g,), i, dtype=torch.long))
+    cat = lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt)  # noqa: E731
+    return {
+        "logp": cat(logp, torch.float64), "logq": cat(logq, torch.float64),
+        "cand_logp": cat(clp, torch.float64), "cand_logq": cat(clq, torch.float64),
+        "offsets": torch.cat(offs), "seq_ids": cat(seq, torch.long), "num_seqs": len(prompts),
+    }  # fmt: skip
+
+
+def metrics_of(scored: dict[str, Any]) -> dict[str, float]:
+    """§10 mismatch metrics of one profile, plus max |log ratio| and the token count."""
+    import torch
+
+    from mixrl.corrections.metrics import mismatch_metrics
+    from mixrl.corrections.types import LossInputs
+
+    n = int(scored["logp"].shape[0])
+    inputs = LossInputs(
+        trainer_logprobs=scored["logp"], old_logprobs=scored["logp"],
+        sampler_logprobs=scored["logq"], advantages=torch.zeros(n, dtype=torch.float64),
+        loss_mask=torch.ones(n, dtype=torch.bool), seq_ids=scored["seq_ids"],
+        num_seqs=scored["num_seqs"], cand_kind="support", cand_offsets=scored["offsets"],
+        cand_trainer_logprobs=scored["cand_logp"], cand_old_logprobs=scored["cand_logp"],
+        cand_sampler_logprobs=scored["cand_logq"],
+    )  # fmt: skip
+    out = {k: float(v) for k, v in mismatch_metrics(inputs).items() if k in METRICS}
+    diff = (scored["logp"] - scored["logq"]).abs()
+    out["max_abs_log_ratio"] = float(diff[torch.isfinite(diff)].max()) if n else 0.0
+    out["tokens"] = n
+    return out
+
+
+def probe(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mixrl.models.policy import resolve
+    from mixrl.sampling.base import GenerationRequest, SamplingParams
+    from mixrl.sampling.engine import request_seed
+    from mixrl.sampling.factory import make_engine
+    from mixrl.sampling.profiles import with_overrides
+
+    _positive(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    profiles = select_profiles(args.profiles, args.profiles_file)
+    path = resolve(args.model)  # builds the bundled policy on first use
+    prompts, stops = load_prompts(args.prompts, path, args)
+    dtype = torch.float32 if args.trainer_dtype == "fp32" else torch.bfloat16
+    trainer = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    out: dict[str, dict[str, Any]] = {}
+    for prof in profiles:
+        if args.compute_dtype != "profile":
+            prof = with_overrides(prof, compute_dtype=args.compute_dtype)
+        engine = make_engine(str(path), prof, group=prof.name, seed=args.seed)
+        reqs = [
+            GenerationRequest(p, SamplingParams(
+                temperature=args.temperature, max_new_tokens=args.max_new_tokens, stop_ids=stops,
+                record="support", seed=request_seed(args.seed, i)), request_id=str(i))
+            for i, p in enumerate(prompts)
+        ]  # fmt: skip
+        t0 = time.perf_counter()
+        results = engine.generate_batch(reqs)
+        gen_s = time.perf_counter() - t0
+        failed = [r for r in results if r.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(
+                f"profile {prof.name}: {len(failed)} requests failed: {failed[0].error}"
+            )
+        row = metrics_of(score_support(trainer, prompts, results, args.temperature))
+        row.update(
+            weight_format=prof.weight_format, kv_format=prof.kv_format,
+            compute_dtype=prof.compute_dtype, numerical_errors=sum(
+                r.finish_reason == "numerical_error" for r in results),
+            generate_seconds=round(gen_s, 3),
+        )  # fmt: skip
+        out[prof.name] = row
+        print(f"probe: {prof.name} done ({row['tokens']} tokens, {gen_s:.1f}s)", file=sys.stderr)
+    return out
+
+
+def print_table(rows: dict[str, dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+    t = Table(title="sampler-trainer mismatch (trainer scores the sampled tokens)")
+    for col in ("profile", "weights", "kv", "compute", "tokens", "kl_k1", "kl_k3", "kl_exact",
+                "tv", "ratio_oob", "max|log ρ|"):  # fmt: skip
+        t.add_column(
+            col, justify="left" if col in ("profile", "weights", "kv", "compute") else "right"
+        )
+    for name, r in rows.items():
+        t.add_row(
+            name, r["weight_format"], r["kv_format"], short[r["compute_dtype"]], str(r["tokens"]),
+            *(f"{r[m]:.2e}" for m in METRICS[:4]), f"{r['mismatch/ratio_oob']:.4f}",
+            f"{r['max_abs_log_ratio']:.3f}",
+        )  # fmt: skip
+    Console(width=max(Console().width, 130)).print(t)
+
+
+def _quiet_libraries() -> None:
+    """Mute per-load progress bars and torchao's CUDA-extension warnings on CPU hosts."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):  # before transformers imports torchao
+        logging.getLogger(name).setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        # progress and any build logs go to stderr: with --json, stdout is one JSON object
+        with contextlib.redirect_stdout(sys.stderr):
+            _quiet_libraries()
+            rows = probe(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mixrl probe: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"profiles": rows}))
+    else:
+        print_table(rows)
+    return 0
