@@ -106,3 +106,22 @@ def test_prompts_file_and_bad_input(
     assert probe.main(parse(["--model", str(tiny_model), "--profiles", "h800-fp8"])) == 2
     assert "unknown profile 'h800-fp8'" in capsys.readouterr().err
     assert probe.main(parse(["--model", str(tiny_model), "--max-new-tokens", "0"])) == 2
+
+
+def test_overrides_apply_to_every_profile() -> None:
+    assert probe.parse_overrides(
+        ["quantize_lm_head=true", "price_per_hour=2", "kv_format=nvfp4"]
+    ) == {
+        "quantize_lm_head": True,
+        "price_per_hour": 2.0,
+        "kv_format": "nvfp4",
+    }
+    args = parse(["--profiles", "h100-fp8,fp32", "--override", "quantize_lm_head=true",
+                  "--compute-dtype", "float32"])  # fmt: skip
+    chosen = probe.select_profiles(args)
+    assert [p.name for p in chosen] == ["h100-fp8", "fp32"]
+    assert all(p.quantize_lm_head and p.compute_dtype == "float32" for p in chosen)
+    with pytest.raises(ValueError, match="FIELD=VALUE"):
+        probe.parse_overrides(["quantize_lm_head"])
+    with pytest.raises(ValueError, match="kv_format"):
+        probe.select_profiles(parse(["--profiles", "fp32", "--override", "kv_format=fp9"]))

@@ -54,6 +54,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("--trainer-dtype", choices=("fp32", "bf16"), default="fp32", help="trainer forward dtype")
     a("--compute-dtype", choices=("profile", "float32", "bfloat16"), default="profile",
       help="override every profile's compute dtype (e.g. float32 for fast CPU runs)")  # fmt: skip
+    a("--override", action="append", default=[], metavar="FIELD=VALUE",
+      help="set a Profile field on every probed profile, e.g. quantize_lm_head=true, "
+      "activation_format=fp8_e4m3 (repeatable)")  # fmt: skip
     a("--seed", type=int, default=0, help="seed of prompts and sampling")
     a("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     a("--json", action="store_true", help="print one JSON object {'profiles': {NAME: {...}}}")
@@ -67,13 +70,36 @@ def _positive(args: argparse.Namespace) -> None:
         raise ValueError(f"--temperature must be > 0, got {args.temperature}")
 
 
-def select_profiles(names: str, extra: str | None) -> list[Any]:
-    from mixrl.sampling.profiles import get_profile, load_profiles
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``["quantize_lm_head=true", "compute_dtype=float32"]`` -> typed dict (bool, number, str)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--override {item!r}: expected FIELD=VALUE")
+        val: Any = raw.strip()
+        if val.lower() in ("true", "false"):
+            val = val.lower() == "true"
+        else:
+            with contextlib.suppress(ValueError):
+                val = float(val)
+        out[key.strip()] = val
+    return out
 
-    catalogue = load_profiles(extra)
-    if not names.strip():
-        return list(catalogue.values())
-    return [get_profile(n.strip(), extra) for n in names.split(",") if n.strip()]
+
+def select_profiles(args: argparse.Namespace) -> list[Any]:
+    """Profiles named by ``--profiles`` (all when empty), with the overrides applied."""
+    from mixrl.sampling.profiles import get_profile, load_profiles, with_overrides
+
+    extra, names = args.profiles_file, args.profiles
+    if names.strip():
+        chosen = [get_profile(n.strip(), extra) for n in names.split(",") if n.strip()]
+    else:
+        chosen = list(load_profiles(extra).values())
+    changes = parse_overrides(args.override)
+    if args.compute_dtype != "profile":
+        changes["compute_dtype"] = args.compute_dtype
+    return [with_overrides(p, **changes) if changes else p for p in chosen]
 
 
 def load_prompts(
@@ -195,20 +221,17 @@ def probe(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     from mixrl.sampling.base import GenerationRequest, SamplingParams
     from mixrl.sampling.engine import request_seed
     from mixrl.sampling.factory import make_engine
-    from mixrl.sampling.profiles import with_overrides
 
     _positive(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    profiles = select_profiles(args.profiles, args.profiles_file)
+    profiles = select_profiles(args)
     path = resolve(args.model)  # builds the bundled policy on first use
     prompts, stops = load_prompts(args.prompts, path, args)
     dtype = torch.float32 if args.trainer_dtype == "fp32" else torch.bfloat16
     trainer = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     out: dict[str, dict[str, Any]] = {}
     for prof in profiles:
-        if args.compute_dtype != "profile":
-            prof = with_overrides(prof, compute_dtype=args.compute_dtype)
         engine = make_engine(str(path), prof, group=prof.name, seed=args.seed)
         reqs = [
             GenerationRequest(p, SamplingParams(
@@ -227,7 +250,8 @@ def probe(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         row = metrics_of(score_support(trainer, prompts, results, args.temperature))
         row.update(
             weight_format=prof.weight_format, kv_format=prof.kv_format,
-            compute_dtype=prof.compute_dtype, numerical_errors=sum(
+            compute_dtype=prof.compute_dtype, activation_format=prof.activation_format,
+            quantize_lm_head=prof.quantize_lm_head, numerical_errors=sum(
                 r.finish_reason == "numerical_error" for r in results),
             generate_seconds=round(gen_s, 3),
         )  # fmt: skip
