@@ -44,6 +44,8 @@ CAND_KINDS = ("none", "support", "head")
 
 @dataclass
 class TokenLogprobs:
+    # all three in float32 for bf16/fp32 inputs (float64 for float64): a bf16 log-prob
+    # would carry ~1e-2 of rounding into every ratio, more than the mismatch measured
     logprobs: Tensor  # [N] log p_θ(y_t) (log p̃ under support replay); differentiable
     entropy: Tensor  # [N] full-vocabulary entropy of p_θ at temperature T_t; no gradient
     cand_logprobs: Tensor  # [K] log p̃(v) (support) or log p(v) (head); differentiable
@@ -55,6 +57,13 @@ def _logits(h: Tensor, w: Tensor, b: Tensor | None, inv_t: Tensor, acc: torch.dt
         return (h * inv_t[:, None]) @ w.T  # fold 1/T into h: one [C, d] op, not [C, V]
     z = torch.addmm(b, h, w.T) if b is not None else h @ w.T  # [C, V] param dtype
     return z.to(acc).mul_(inv_t[:, None])
+
+
+def _probs(h: Tensor, w: Tensor, b: Tensor | None, inv_t: Tensor, lse: Tensor, acc: torch.dtype) -> Tensor:
+    """Softmax of one chunk from its saved logsumexp, ``[C, V]`` in ``acc`` dtype."""
+    if b is None and h.dtype == acc:  # shift fused into the GEMM, then one in-place exp
+        return torch.addmm(-lse[:, None], h * inv_t[:, None], w.T).exp_()
+    return _logits(h, w, b, inv_t, acc).sub_(lse[:, None]).exp_()
 
 
 def _seg_sum(vals: Tensor, rows: Tensor, n: int) -> Tensor:
@@ -97,7 +106,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         ctx.save_for_backward(h, w, b, inv_t, y, offsets, rows, ids, lse, clp, in_s, eq)
         ctx.cfg = (kind, sup_y, chunk)
         ctx.mark_non_differentiable(ent)
-        return lp.to(h.dtype), ent.to(h.dtype), clp.to(h.dtype)
+        return lp, ent, clp  # float32 (float64) even for bf16 inputs: ratios need the bits
 
     @staticmethod
     def backward(ctx, g_lp, g_ent, g_c):
@@ -128,14 +137,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
             s1 = min(n, s0 + chunk)
             if not bool((coef[s0:s1] != 0).any()):
                 continue
-            z = _logits(h[s0:s1], w, b, inv_t[s0:s1], acc)
-            gz = z.sub_(lse[s0:s1, None]).exp_().mul_(coef[s0:s1, None]).to(w.dtype)  # [C, V]
-            grad_h[s0:s1] += gz @ w
-            if grad_w is not None:
-                grad_w += gz.T @ h[s0:s1]
+            p, cf = _probs(h[s0:s1], w, b, inv_t[s0:s1], lse[s0:s1], acc), coef[s0:s1, None]
+            pw = p.to(w.dtype)  # [C, V]; the row scale coef goes on the [C, d] side (cheaper)
+            grad_h[s0:s1] += (pw @ w).to(acc) * cf
+            if grad_w is not None and acc == w.dtype:
+                grad_w.addmm_(pw.T, h[s0:s1] * cf)  # in place: no [V, d] temporary
+            elif grad_w is not None:
+                grad_w += pw.T @ (h[s0:s1] * cf.to(h.dtype))
             if grad_b is not None:
-                grad_b += gz.sum(0)
-            del z, gz
+                grad_b += cf.squeeze(1) @ p
+            del p, pw
         # sparse part: Σ_k wc_k W[ids_k] per row, and its transpose into rows of W
         hw = wc.to(w.dtype)
         if ids.numel():
