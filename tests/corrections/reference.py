@@ -105,7 +105,9 @@ def make_batch(
     return Batch(z, z_old, zq, y, adv, seq_ids, len(lengths), support, groups, ["ga", "gb"])
 
 
-def to_inputs(b: Batch, cand: str = "none", head_k: int = 3, loss_mask: Tensor | None = None) -> LossInputs:
+def to_inputs(
+    b: Batch, cand: str = "none", head_k: int = 3, loss_mask: Tensor | None = None
+) -> LossInputs:
     """LossInputs of ``b``; ``cand`` is none | support (b.support or the whole vocabulary) | head (top-k of q)."""
     p, p_old, q = b.p(), b.p_old(), b.q()
     n, v = p.shape
@@ -157,7 +159,9 @@ def _clamped(x: float) -> float:
     return min(max(x, 1.0 / E20), E20)
 
 
-def ref_weights(b: Batch, corrections, mask: Tensor | None = None) -> tuple[list[float], list[float]]:
+def ref_weights(
+    b: Batch, corrections, mask: Tensor | None = None
+) -> tuple[list[float], list[float]]:
     """Token weights w_t and sequence factors f_i by explicit products over each trajectory."""
     rho = (b.at_y(b.p_old()) / b.at_y(b.q())).tolist()  # ρ_t as a probability quotient
     n = len(rho)
@@ -207,9 +211,11 @@ def ref_surrogate(b: Batch, obj) -> list[Tensor]:
             out.append(g)
         elif obj.type == "gspo":
             ts = [u for u in range(p_y.shape[0]) if int(b.seq_ids[u]) == int(b.seq_ids[t])]
-            s_i = math.prod(float(p_y[u] / old_y[u]) for u in ts) ** (1.0 / len(ts))
+            s_i = math.prod(float(p_y[u].detach() / old_y[u]) for u in ts) ** (1.0 / len(ts))
             s_tok = s_i * p_y[t] / p_y[t].detach()
-            out.append(torch.minimum(s_tok * a, torch.clamp(s_tok, 1 - obj.eps_low, 1 + obj.eps_high) * a))
+            out.append(
+                torch.minimum(s_tok * a, torch.clamp(s_tok, 1 - obj.eps_low, 1 + obj.eps_high) * a)
+            )
         elif obj.type == "cispo":
             lo = -math.inf if obj.eps_low is None else 1 - obj.eps_low
             out.append(min(max(float(r), lo), 1 + obj.eps_high) * a * torch.log(p_y[t]))
@@ -219,7 +225,9 @@ def ref_surrogate(b: Batch, obj) -> list[Tensor]:
 # ----------------------------------------------------------------- score centering (section 7)
 
 
-def ref_centering(b: Batch, rule, kind: str, head_k: int = 3, tail_eps: float = 1e-6) -> list[Tensor]:
+def ref_centering(
+    b: Batch, rule, kind: str, head_k: int = 3, tail_eps: float = 1e-6
+) -> list[Tensor]:
     """Σ_v sg(c_t(v)) log p_θ(v) per position, enumerating the *whole* vocabulary.
 
     ``support``: c = q w on q's support (q = 0 elsewhere). ``head``: q is

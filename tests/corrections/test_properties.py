@@ -11,16 +11,24 @@ import math
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
+from tolerance import assert_close
 
 from corrections.reference import F64, make_batch, probs, to_inputs, token_w
 from corrections.strategies import SETTINGS, lengths, loss_configs, seeds
 from mixrl.config.loss import MIS, TIS, LossConfig
-from mixrl.corrections import LossInputs, aggregation_denominator, compute_loss, replay_logprobs, seq_log_ratio
-from tolerance import assert_close
+from mixrl.corrections import (
+    LossInputs,
+    aggregation_denominator,
+    compute_loss,
+    replay_logprobs,
+    seq_log_ratio,
+)
 
 
 def _denom(cfg, x, max_len=4):
-    return aggregation_denominator(cfg.aggregation, x.loss_mask, x.seq_ids, x.num_seqs, max_len=max_len)
+    return aggregation_denominator(
+        cfg.aggregation, x.loss_mask, x.seq_ids, x.num_seqs, max_len=max_len
+    )
 
 
 def _grad(loss, z):
@@ -47,7 +55,11 @@ def test_p1_on_policy_every_correction_is_identity(seed, lens, cfg, cand):
     plain = LossConfig(aggregation=cfg.aggregation)
     ref, _ = compute_loss(to_inputs(b), plain, d)
     assert_close(_grad(loss, b.z), _grad(ref, b.z))
-    assert m["corr/masked_frac"] == 0 and m["corr/truncated_frac"] == 0 and m["corr/seq_dropped_frac"] == 0
+    assert (
+        m["corr/masked_frac"] == 0
+        and m["corr/truncated_frac"] == 0
+        and m["corr/seq_dropped_frac"] == 0
+    )
     assert_close(m["corr/ess"], 1.0)
     for k in ("mismatch/kl_k1", "mismatch/kl_k3", "mismatch/tv", "mismatch/ratio_oob", "policy/tv"):
         assert m[k] == 0.0, k
@@ -95,11 +107,19 @@ def test_p2_sc_removes_drift_for_every_weight_rule(seed, rule, adv, top_p):
     assert_close(_expected_logit_grad(sc, b, rows, 2), torch.zeros(2, 8, dtype=F64), msg="SC drift")
     # without centring the expected gradient is the drift, in closed form per context:
     # −A Σ_y q(y) w(y) ∇_z log p(y) = −A (c − (Σ_v c_v) p),  c_v = q(v) w(ρ(v))
-    drift = _expected_logit_grad(LossConfig(corrections=corr, support_replay=top_p is not None), b, rows, 2)
+    drift = _expected_logit_grad(
+        LossConfig(corrections=corr, support_replay=top_p is not None), b, rows, 2
+    )
     first = torch.tensor([int((rows == r).nonzero()[0]) for r in range(2)])
     q, p_old = probs(b.zq[first], b.support[first] if b.support is not None else None), None
     p_old = probs(b.z_old[first], b.support[first] if b.support is not None else None)
-    w = torch.tensor([[token_w(rule, float(p_old[n, v] / q[n, v])) if q[n, v] > 0 else 0.0 for v in range(8)] for n in range(2)], dtype=F64)
+    w = torch.tensor(
+        [
+            [token_w(rule, float(p_old[n, v] / q[n, v])) if q[n, v] > 0 else 0.0 for v in range(8)]
+            for n in range(2)
+        ],
+        dtype=F64,
+    )
     c = q * w
     assert_close(drift, -adv * (c - c.sum(-1, keepdim=True) * p_old))
 
@@ -116,7 +136,9 @@ def test_p2_plain_pg_and_pg_mis_drift_under_constant_advantage():
 
 
 @SETTINGS
-@given(seed=seeds, rule=st.sampled_from([None, TIS(cap=1.5), MIS(lo=0.2, hi=5.0)]), k=st.integers(1, 4))
+@given(
+    seed=seeds, rule=st.sampled_from([None, TIS(cap=1.5), MIS(lo=0.2, hi=5.0)]), k=st.integers(1, 4)
+)
 def test_p2_head_tail_sc_has_no_drift_when_tail_model_holds(seed, rule, k):
     """If q really is κ·p off its head, the collapsed head form is exact: zero drift."""
     vocab, n_ctx = 8, 2
@@ -126,7 +148,10 @@ def test_p2_head_tail_sc_has_no_drift_when_tail_model_holds(seed, rule, k):
     b.zq = zq
     b.adv = probs(zq)[torch.arange(len(b.y)), b.y]
     cfg = LossConfig(corrections=[rule] if rule else [], score_centering=True)
-    assert_close(_expected_logit_grad(cfg, b, rows, n_ctx, cand="head", head_k=k), torch.zeros(n_ctx, vocab, dtype=F64))
+    assert_close(
+        _expected_logit_grad(cfg, b, rows, n_ctx, cand="head", head_k=k),
+        torch.zeros(n_ctx, vocab, dtype=F64),
+    )
 
 
 # ------------------------------------------------------------------ property 3
@@ -165,7 +190,11 @@ def test_p4_head_covering_vocabulary_equals_exact_sc(seed, lens, cfg):
 
 
 @SETTINGS
-@given(seed=seeds, temperature=st.sampled_from([0.5, 1.0, 1.7]), top_p=st.sampled_from([0.5, 0.8, 0.95]))
+@given(
+    seed=seeds,
+    temperature=st.sampled_from([0.5, 1.0, 1.7]),
+    top_p=st.sampled_from([0.5, 0.8, 0.95]),
+)
 def test_p5_support_replay_renormalises_and_blocks_gradient_outside(seed, temperature, top_p):
     g = torch.Generator().manual_seed(seed)
     z = torch.randn(5, 9, generator=g, dtype=F64, requires_grad=True)
@@ -196,16 +225,24 @@ def test_p5_replayed_sc_loss_has_no_gradient_outside_support():
 
 
 @SETTINGS
-@given(seed=seeds, lens=st.lists(st.integers(1, 12), min_size=1, max_size=5), scale=st.sampled_from([0.1, 1.0]))
+@given(
+    seed=seeds,
+    lens=st.lists(st.integers(1, 12), min_size=1, max_size=5),
+    scale=st.sampled_from([0.1, 1.0]),
+)
 def test_p6_sequence_ratio_in_log_space_matches_product(seed, lens, scale):
     g = torch.Generator().manual_seed(seed)
     n = sum(lens)
     rho = torch.exp(scale * torch.randn(n, generator=g, dtype=F64))  # token ratios
     ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    log_seq, log_geo = seq_log_ratio(torch.log(rho), ids, len(lens), torch.ones(n, dtype=torch.bool))
+    log_seq, log_geo = seq_log_ratio(
+        torch.log(rho), ids, len(lens), torch.ones(n, dtype=torch.bool)
+    )
     prods = [math.prod(rho[ids == i].tolist()) for i in range(len(lens))]
     assert_close(torch.exp(log_seq), torch.tensor(prods, dtype=F64))
-    assert_close(torch.exp(log_geo), torch.tensor([p ** (1 / k) for p, k in zip(prods, lens)], dtype=F64))
+    assert_close(
+        torch.exp(log_geo), torch.tensor([p ** (1 / k) for p, k in zip(prods, lens, strict=True)], dtype=F64)
+    )
 
 
 def test_p6_sequence_log_ratio_clamped_at_20():
@@ -234,7 +271,9 @@ def _slice(x: LossInputs, seqs: list[int]) -> LossInputs:
     kw = {}
     if x.cand_kind != "none":
         assert x.cand_offsets is not None
-        spans = [torch.arange(int(x.cand_offsets[i]), int(x.cand_offsets[i + 1])) for i in idx.tolist()]
+        spans = [
+            torch.arange(int(x.cand_offsets[i]), int(x.cand_offsets[i + 1])) for i in idx.tolist()
+        ]
         cidx = torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)
         counts = torch.tensor([len(s) for s in spans], dtype=torch.long)
         kw = dict(
@@ -252,7 +291,12 @@ def _slice(x: LossInputs, seqs: list[int]) -> LossInputs:
 
 
 @SETTINGS
-@given(seed=seeds, lens=st.lists(st.integers(1, 4), min_size=2, max_size=5), cfg=loss_configs(), k=st.integers(2, 3))
+@given(
+    seed=seeds,
+    lens=st.lists(st.integers(1, 4), min_size=2, max_size=5),
+    cfg=loss_configs(),
+    k=st.integers(2, 3),
+)
 def test_p7_micro_batches_with_shared_denominator_equal_one_batch(seed, lens, cfg, k):
     b = make_batch(seed, lens, vocab=7, mismatch=0.6, drift=0.2)
     x = to_inputs(b, "head" if cfg.score_centering else "none", head_k=3)
@@ -260,7 +304,10 @@ def test_p7_micro_batches_with_shared_denominator_equal_one_batch(seed, lens, cf
     full, _ = compute_loss(x, cfg, d)
     parts = [list(range(len(lens)))[i::k] for i in range(k)]
     # each micro-batch's D contribution sums to the batch's D
-    assert sum(_denom(cfg, _slice(x, p)) for p in parts if p) == d or cfg.aggregation == "seq_mean_token_sum_norm"
+    assert (
+        sum(_denom(cfg, _slice(x, p)) for p in parts if p) == d
+        or cfg.aggregation == "seq_mean_token_sum_norm"
+    )
     total = sum(compute_loss(_slice(x, p), cfg, d)[0] for p in parts if p)
     assert_close(total, full)
     assert_close(_grad(total, b.z), _grad(compute_loss(x, cfg, d)[0], b.z))

@@ -12,15 +12,17 @@ from __future__ import annotations
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from tolerance import assert_close
 
 from corrections.reference import make_batch, ref_loss, to_inputs
 from corrections.strategies import SETTINGS, lengths, loss_configs, seeds
 from mixrl.corrections import aggregation_denominator, compute_loss
-from tolerance import assert_close
 
 
 def _denom(cfg, x, max_len=4):
-    return aggregation_denominator(cfg.aggregation, x.loss_mask, x.seq_ids, x.num_seqs, max_len=max_len)
+    return aggregation_denominator(
+        cfg.aggregation, x.loss_mask, x.seq_ids, x.num_seqs, max_len=max_len
+    )
 
 
 def _grad(loss, z):
@@ -29,7 +31,12 @@ def _grad(loss, z):
 
 
 @SETTINGS
-@given(seed=seeds, lens=lengths, cfg=loss_configs(score_centering=False), drift=st.sampled_from([0.0, 0.3]))
+@given(
+    seed=seeds,
+    lens=lengths,
+    cfg=loss_configs(score_centering=False),
+    drift=st.sampled_from([0.0, 0.3]),
+)
 def test_loss_and_gradient_match_reference_without_sc(seed, lens, cfg, drift):
     b = make_batch(seed, lens, vocab=7, mismatch=0.6, drift=drift)
     x = to_inputs(b)

@@ -89,7 +89,7 @@ class LossInputs:
             if t is None:
                 raise ValueError(f"LossInputs.{name} is None but cand_kind is {self.cand_kind!r}")
             k = t.shape[0] if k is None else k
-            _check(name, t, (k,), float_=True)
+            _check(name, t, (k,), float_=True, origin=" (K from cand_trainer_logprobs)")
 
     def _validate_ranges(self, n: int) -> None:
         # one host sync for all index checks
@@ -141,13 +141,14 @@ def _check(
     *,
     dtype: torch.dtype | None = None,
     float_: bool = False,
+    origin: str = " (N from trainer_logprobs)",
 ) -> None:
     if t is None:
         raise ValueError(f"LossInputs.{name} is None, expected a tensor of shape {shape}")
     if not isinstance(t, Tensor):
         raise ValueError(f"LossInputs.{name} must be a torch.Tensor, got {type(t).__name__}")
     if tuple(t.shape) != shape:
-        raise ValueError(f"LossInputs.{name} has shape {tuple(t.shape)}, expected {shape}")
+        raise ValueError(f"LossInputs.{name} has shape {tuple(t.shape)}, expected {shape}{origin}")
     if dtype is not None and t.dtype != dtype:
         raise ValueError(f"LossInputs.{name} has dtype {t.dtype}, expected {dtype}")
     if float_ and not t.is_floating_point():
