@@ -192,6 +192,23 @@ def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, prec: Prec
     return F.linear(x, w, b)
 
 
+def _decode_attention(
+    q: torch.Tensor,  # [B, 1, Hq, D] one query per row
+    k: torch.Tensor,  # [B, Hkv, S, D] cached keys (a prefix view of the cache)
+    v: torch.Tensor,  # [B, Hkv, S, D]
+    mask: torch.Tensor,  # [B, 1, 1, S] bool
+) -> torch.Tensor:
+    """One-query attention with GQA as a grouped matmul: query head ``h`` uses kv head
+    ``h // G`` (HF's ``repeat_kv`` order), so viewing q as [B, Hkv, G, D] avoids
+    materializing repeated keys; scores and softmax in fp32 like HF's eager path."""
+    B, _, Hq, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
+    s = torch.matmul(qg, k.transpose(-1, -2)).float() * D**-0.5  # [B, Hkv, G, S]
+    p = torch.softmax(s.masked_fill_(~mask, float("-inf")), dim=-1).to(v.dtype)
+    return torch.matmul(p, v).view(B, 1, Hq * D)  # [B, Hkv, G, D] -> [B, 1, Hq D]
+
+
 def forward(
     w: Weights,
     shape: Shape,
@@ -216,10 +233,13 @@ def forward(
         q = _rope(rms_norm(q.view(B, T, Hq, D), L.q_norm, shape.eps), cos, sin)
         k = _rope(rms_norm(k.view(B, T, Hkv, D), L.k_norm, shape.eps), cos, sin)
         keys, vals = cache.write(li, col0, k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2))
-        a = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys[:, :, :end], vals[:, :, :end], attn_mask=mask, enable_gqa=Hq != Hkv
-        )  # [B, Hq, T, D]
-        x = x + _linear(a.transpose(1, 2).reshape(B, T, Hq * D), L.w_o, L.b_o, prec)
+        if T == 1:  # decode: grouped heads share their kv head, no repeat (see _decode_attention)
+            a = _decode_attention(q, keys[:, :, :end], vals[:, :, :end], mask)  # [B, 1, Hq D]
+        else:
+            a = F.scaled_dot_product_attention(
+                q.transpose(1, 2), keys[:, :, :end], vals[:, :, :end], attn_mask=mask, enable_gqa=Hq != Hkv
+            ).transpose(1, 2).reshape(B, T, Hq * D)  # [B, T, Hq D]
+        x = x + _linear(a, L.w_o, L.b_o, prec)
         h = rms_norm(x, L.ln2, shape.eps)
         g, u = _linear(h, L.w_gate_up, None, prec).chunk(2, dim=-1)  # [B, T, I] each
         x = x + _linear(F.silu(g) * u, L.w_down, None, prec)

@@ -1,0 +1,240 @@
+"""``mixrl bench sampler``: built-in engine vs HF ``generate``, tokens/s and peak memory.
+
+Setup (defaults = the throughput anchor of MEASUREMENTS.md): 64 prompts of 16
+random token ids, 128 new tokens each, temperature-1 sampling over the whole
+vocabulary (top-k and top-p off), FP32, EOS ignored on both sides so every row
+generates exactly 128 tokens. Model: the bundled policy when it is already
+built (``--model auto``) or asked for (``--model bundled``, builds it), else a
+random Qwen3 of the reference size (4 layers, hidden 256, vocab 384, 3.35M
+parameters); ``model`` in the JSON says which.
+
+Throughput: both run in this process, interleaved, ``--repeats`` times each
+after one warm-up; the best run of each is reported (the machine is shared, so
+the best run is the least disturbed one). The built-in engine records no
+candidates (``record="none"``, as ``generate`` returns none);
+``builtin_support_tok_s`` is the same run recording the full support.
+
+Peak memory: each side runs once more in a fresh child process, which loads
+the model, resets the kernel's resident-set high-water mark
+(``/proc/self/clear_refs`` <- 5), generates, and reads ``VmHWM``. ``*_peak_mb``
+is that peak minus the resident set just before generating: the memory the
+generation itself needs (KV cache, activations, logits, outputs), without the
+interpreter, the libraries and the weights, and without allocator caches left
+over from the other side.
+
+vLLM: when ``mixrl.sampling.vllm_engine`` imports (vllm installed),
+``vllm_fields`` adds ``vllm_tok_s`` and ``vllm_logprob_max_abs_err_fp32``; otherwise
+they are null and ``vllm_note`` says why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import re
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REFERENCE = dict(vocab_size=384, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--batch", type=int, default=64, help="prompts per batch (default 64)")
+    parser.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (default 16)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="generated tokens per prompt (default 128)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per side; best is reported")
+    parser.add_argument("--model", default="auto",
+                        help="'auto' (bundled policy if built, else random reference Qwen3), "
+                             "'bundled', 'random', or an HF model directory")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _bundled_if_built() -> Path | None:
+    try:
+        from mixrl.models import pretrain
+        from mixrl.models.policy import mixrl_home
+
+        p = mixrl_home() / f"policy-{pretrain.Recipe().digest()}"
+        return p if (p / "recipe.json").exists() else None
+    except ImportError:
+        return None
+
+
+def resolve_model(spec: str, workdir: str, seed: int) -> tuple[str, str]:
+    """(HF directory, description for the JSON)."""
+    if spec in ("auto", "bundled"):
+        path = _bundled_if_built()
+        if path is None and spec == "bundled":
+            from mixrl.models.policy import bundled_policy_path
+
+            path = bundled_policy_path()
+        if path is not None:
+            return str(path), f"bundled policy ({path.name})"
+    elif spec != "random":
+        return spec, f"HF directory {spec}"
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(**REFERENCE, max_position_embeddings=512, tie_word_embeddings=False)
+    Qwen3ForCausalLM(cfg).save_pretrained(workdir)
+    return workdir, "random Qwen3, reference size (4 layers, hidden 256, vocab 384)"
+
+
+def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g).tolist()
+
+
+def _builtin(path: str, threads: int | None) -> Any:
+    from mixrl.sampling.engine import BuiltinEngine
+    from mixrl.sampling.profiles import get_profile
+
+    return BuiltinEngine(path, get_profile("fp32"), "bench", num_threads=threads, stop_on_eos=False)
+
+
+def _builtin_run(engine: Any, prompts: list[list[int]], new: int, record: str) -> int:
+    from mixrl.sampling.base import GenerationRequest, SamplingParams
+
+    p = SamplingParams(temperature=1.0, max_new_tokens=new, record=record)
+    res = engine.generate_batch([GenerationRequest(x, p) for x in prompts])
+    return sum(len(r.token_ids) for r in res)
+
+
+def _hf(path: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _hf_run(model: Any, prompts: list[list[int]], new: int) -> int:
+    import copy
+
+    import torch
+
+    gc = copy.deepcopy(model.generation_config)
+    gc.eos_token_id = None  # ignore EOS: every row generates `new` tokens, as the engine does
+    gc.pad_token_id = 0
+    ids = torch.tensor(prompts)
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+                             do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                             max_new_tokens=new)  # fmt: skip
+    return int((out.shape[1] - ids.shape[1]) * ids.shape[0])
+
+
+def _rss_kb(field: str) -> int:
+    m = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
+    return int(m.group(1)) if m else 0
+
+
+def _peak_child(kind: str, path: str, prompts: list[list[int]], new: int, threads: int | None, q: Any) -> None:
+    """Child process: load, reset the RSS high-water mark, generate once, report MB."""
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+    model = _builtin(path, threads) if kind == "builtin" else _hf(path)
+    base = _rss_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := current RSS
+    _builtin_run(model, prompts, new, "none") if kind == "builtin" else _hf_run(model, prompts, new)
+    q.put((_rss_kb("VmHWM") - base) / 1024)
+
+
+def peak_mb(kind: str, path: str, prompts: list[list[int]], new: int, threads: int | None) -> float | None:
+    if not Path("/proc/self/clear_refs").exists():
+        return None
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_peak_child, args=(kind, path, prompts, new, threads, q))
+    p.start()
+    p.join()
+    return round(q.get(), 1) if p.exitcode == 0 and not q.empty() else None
+
+
+def vllm_fields(path: str, prompts: list[list[int]], new: int) -> dict[str, Any]:
+    """Hook for the vLLM engine: filled only when ``mixrl.sampling.vllm_engine`` imports.
+
+    Contract for ``mixrl.sampling.vllm_engine.bench_fields(path, prompts, new_tokens)``:
+    return ``{"vllm_tok_s": float, "vllm_logprob_max_abs_err_fp32": float}`` measured on
+    the same model and prompts (FP32, temperature 1, whole-vocabulary sampling).
+    """
+    out: dict[str, Any] = {"vllm_tok_s": None, "vllm_logprob_max_abs_err_fp32": None}
+    try:
+        from mixrl.sampling import vllm_engine
+    except ImportError as e:
+        out["vllm_note"] = f"vLLM engine not available: {e}"
+        return out
+    if not hasattr(vllm_engine, "bench_fields"):
+        out["vllm_note"] = "mixrl.sampling.vllm_engine has no bench_fields()"
+        return out
+    out.update(vllm_engine.bench_fields(path, prompts, new))
+    return out
+
+
+def throughput(engine: Any, hf: Any, prompts: list[list[int]], new: int, repeats: int) -> dict[str, float]:
+    """Best generated tokens/s of each side over ``repeats`` interleaved runs (one warm-up)."""
+    runs: dict[str, Any] = {
+        "builtin": lambda: _builtin_run(engine, prompts, new, "none"),
+        "support": lambda: _builtin_run(engine, prompts, new, "support"),
+        "hf": lambda: _hf_run(hf, prompts, new),
+    }
+    runs["builtin"]()  # warm-up: allocator, lazy initialisation
+    runs["hf"]()
+    best = dict.fromkeys(runs, 0.0)
+    for _ in range(repeats):
+        for name, fn in runs.items():
+            t = time.perf_counter()
+            n = fn()
+            best[name] = max(best[name], n / (time.perf_counter() - t))
+    return best
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        path, desc = resolve_model(args.model, tmp, args.seed)
+        engine, hf = _builtin(path, args.threads), _hf(path)
+        prompts = _prompts(engine.shape.vocab, args.batch, args.prompt_len, args.seed)
+        new = args.new_tokens
+        best = throughput(engine, hf, prompts, new, args.repeats)
+        out: dict[str, Any] = {
+            "model": desc,
+            "params": sum(p.numel() for p in hf.parameters()),
+            "batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": new,
+            "threads": torch.get_num_threads(), "repeats": args.repeats,
+            "builtin_tok_s": round(best["builtin"], 1),
+            "builtin_support_tok_s": round(best["support"], 1),
+            "hf_tok_s": round(best["hf"], 1),
+            "builtin_over_hf": round(best["builtin"] / best["hf"], 3),
+        }  # fmt: skip
+        del engine, hf
+        if not args.no_memory:
+            out["builtin_peak_mb"] = peak_mb("builtin", path, prompts, new, args.threads)
+            out["hf_peak_mb"] = peak_mb("hf", path, prompts, new, args.threads)
+            out["peak_method"] = "fresh child per side: VmHWM after clear_refs minus RSS before generating"
+        out.update(vllm_fields(path, prompts, new))
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    out = run(args)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        for k, v in out.items():
+            print(f"{k:32s} {v}")
+    return 0
