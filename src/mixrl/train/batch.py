@@ -1,0 +1,220 @@
+"""Trajectories -> padded token tensors + the flat per-position tensors of ``LossInputs``.
+
+Two stages, so that a batch can be cut into mini- and micro-batches without
+re-validating: :func:`prepare` checks every :class:`Trajectory` once and turns
+it into a :class:`Record` of tensors; :func:`collate` pads any subset of records.
+
+Positions: token ``t`` is predicted by the hidden state at ``t - 1``; the N
+generated positions of a batch are flattened in trajectory order, then
+position order (the order of ``cand_offsets`` in each record).
+
+What is dropped and what is masked (counted either way, never a crash):
+
+- a structurally malformed trajectory (lengths disagree, token or candidate id
+  outside the vocabulary, a generated token at position 0, ragged candidates
+  that do not add up, duplicate candidates at a position, missing candidates
+  the loss needs) is dropped whole: nothing in it can be aligned safely. The
+  reason, naming the field, is kept in ``stats.errors``; ``strict=True`` raises it.
+- an ``infra_failed`` episode is dropped (CORRECTIONS.md §8: not reward 0).
+- a non-finite sampler log-prob (or candidate log-prob, or advantage) is kept
+  as is: ``compute_loss`` masks that position and counts it
+  (``corr/nonfinite_tokens``); here it is only counted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from mixrl.rollout.types import Trajectory
+
+
+@dataclass
+class Record:
+    """One validated trajectory as tensors (n = its generated tokens, K its candidates)."""
+
+    index: int  # position in the list given to prepare()
+    tokens: Tensor  # [L] long
+    gen_pos: Tensor  # [n] long, positions t with loss_mask 1 (t >= 1)
+    sampler_logprobs: Tensor  # [n] float32, log q(y_t); may be non-finite (masked later)
+    advantages: Tensor  # [n] float32
+    versions: Tensor  # [n] long
+    group_ids: Tensor  # [n] long into BatchStats.group_names
+    temperature: float
+    cand_offsets: Tensor  # [n + 1] long (all zeros when the loss needs no candidates)
+    cand_ids: Tensor  # [K] long
+    cand_logprobs: Tensor  # [K] float32, log q(v)
+    # filled by the trainer (detached): p_old, and p_θ / entropy of the latest pass for metrics
+    old_logprobs: Tensor | None = None  # [n] log p_old(y_t)
+    cand_old_logprobs: Tensor | None = None  # [K]
+    trainer_logprobs: Tensor | None = None  # [n]
+    cand_trainer_logprobs: Tensor | None = None  # [K]
+    entropy: Tensor | None = None  # [n]
+
+
+@dataclass
+class BatchStats:
+    group_names: list[str] = field(default_factory=list)
+    dropped_malformed: int = 0
+    dropped_infra: int = 0
+    dropped_empty: int = 0  # no generated token: nothing to learn from
+    nonfinite_sampler: int = 0  # sampler / candidate log-probs that are NaN or ±inf
+    errors: list[str] = field(default_factory=list)  # one line per dropped malformed record
+
+
+@dataclass
+class TrainBatch:
+    input_ids: Tensor  # [B, L] long, right-padded
+    attention_mask: Tensor  # [B, L] long
+    pred_cols: Tensor  # [N] column of the hidden state that predicts it (t - 1)
+    targets: Tensor  # [N] generated token ids y_t
+    seq_ids: Tensor  # [N] long, 0..B-1: the batch row of each generated position
+    sampler_logprobs: Tensor  # [N]
+    advantages: Tensor  # [N]
+    versions: Tensor  # [N]
+    group_ids: Tensor  # [N]
+    temperature: Tensor  # [N]
+    cand_offsets: Tensor  # [N + 1]
+    cand_ids: Tensor  # [K]
+    cand_logprobs: Tensor  # [K]
+    # detached trainer values, present when every record carries them (see Record)
+    old_logprobs: Tensor | None  # [N]
+    cand_old_logprobs: Tensor | None  # [K]
+    trainer_logprobs: Tensor | None  # [N]
+    cand_trainer_logprobs: Tensor | None  # [K]
+    entropy: Tensor | None  # [N]
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+def _check(tr: Trajectory, vocab_size: int, cand_kind: str) -> None:
+    """Raise ``ValueError`` naming the field if ``tr`` cannot be aligned."""
+    tr.validate()
+    if any(m not in (0, 1) for m in tr.loss_mask):
+        raise ValueError(f"Trajectory.loss_mask holds values other than 0/1: {sorted(set(tr.loss_mask))}")
+    if tr.tokens and (min(tr.tokens) < 0 or max(tr.tokens) >= vocab_size):
+        raise ValueError(f"Trajectory.tokens has ids outside [0, {vocab_size}): "
+                         f"range [{min(tr.tokens)}, {max(tr.tokens)}]")
+    if tr.loss_mask and tr.loss_mask[0] == 1:
+        raise ValueError("Trajectory.loss_mask[0] is 1: the first token has no context to predict it")
+    if cand_kind == "none":
+        return
+    if tr.cand_kind != cand_kind:
+        raise ValueError(f"Trajectory.cand_kind is {tr.cand_kind!r}; the loss needs {cand_kind!r}")
+    offs, k = tr.cand_offsets, len(tr.cand_ids)
+    if offs[0] != 0 or offs[-1] != k or any(b < a for a, b in zip(offs, offs[1:], strict=False)):
+        raise ValueError(f"Trajectory.cand_offsets must rise from 0 to len(cand_ids)={k}, "
+                         f"got first={offs[0]}, last={offs[-1]}")
+    if k and (min(tr.cand_ids) < 0 or max(tr.cand_ids) >= vocab_size):
+        raise ValueError(f"Trajectory.cand_ids has ids outside [0, {vocab_size})")
+    for t, (a, b) in enumerate(zip(offs, offs[1:], strict=False)):
+        if len(set(tr.cand_ids[a:b])) != b - a:
+            raise ValueError(f"Trajectory.cand_ids repeats a token at generated position {t}")
+
+
+def _advantages(adv: float | Sequence[float] | Tensor, n: int) -> Tensor:
+    a = torch.as_tensor(adv, dtype=torch.float32)
+    if a.dim() == 0:
+        return a.expand(n).clone()
+    if a.shape != (n,):
+        raise ValueError(f"advantages has {a.numel()} values; expected 1 or num_generated={n}")
+    return a
+
+
+def prepare(
+    trajectories: Sequence[Trajectory],
+    advantages: Sequence[float | Sequence[float]] | Tensor,  # [S] per trajectory, or per token
+    *,
+    vocab_size: int,
+    cand_kind: str = "none",  # what the loss needs: "support" | "head" | "none"
+    temperature: float = 1.0,  # default; a trajectory's info["temperature"] overrides it
+    strict: bool = False,
+) -> tuple[list[Record], BatchStats]:
+    """Validate and convert; malformed records are dropped and counted (raised if ``strict``)."""
+    if len(advantages) != len(trajectories):
+        raise ValueError(f"advantages has {len(advantages)} entries for {len(trajectories)} trajectories")
+    stats = BatchStats()
+    records: list[Record] = []
+    names: dict[str, int] = {}  # sampler group -> id, in order of appearance
+    for i, (tr, adv) in enumerate(zip(trajectories, advantages, strict=True)):
+        if tr.status == "infra_failed":
+            stats.dropped_infra += 1
+            continue
+        try:
+            _check(tr, vocab_size, cand_kind)
+            n = tr.num_generated
+            a = _advantages(adv, n)
+            temp = float(tr.info.get("temperature", temperature))
+            if not (math.isfinite(temp) and temp > 0):
+                raise ValueError(f"Trajectory.info['temperature'] must be > 0, got {temp}")
+        except ValueError as e:
+            if strict:
+                raise ValueError(f"trajectory {i} (prompt {tr.prompt_id!r}): {e}") from e
+            stats.dropped_malformed += 1
+            stats.errors.append(f"trajectory {i} (prompt {tr.prompt_id!r}): {e}")
+            continue
+        if n == 0:
+            stats.dropped_empty += 1
+            continue
+        mask = torch.tensor(tr.loss_mask, dtype=torch.bool)
+        gen = mask.nonzero().squeeze(1)  # [n]
+        lq = torch.tensor(tr.sampler_logprobs, dtype=torch.float32)[gen]
+        gid = [names.setdefault(tr.groups[t], len(names)) for t in gen.tolist()]
+        if cand_kind == "none":
+            offs, ids, clq = torch.zeros(n + 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0)
+        else:
+            offs = torch.tensor(tr.cand_offsets, dtype=torch.long)
+            ids = torch.tensor(tr.cand_ids, dtype=torch.long)
+            clq = torch.tensor(tr.cand_logprobs, dtype=torch.float32)
+        stats.nonfinite_sampler += int((~torch.isfinite(lq)).sum()) + int((~torch.isfinite(clq)).sum())
+        records.append(Record(
+            index=i, tokens=torch.tensor(tr.tokens, dtype=torch.long), gen_pos=gen,
+            sampler_logprobs=lq, advantages=a, versions=torch.tensor(tr.versions, dtype=torch.long)[gen],
+            group_ids=torch.tensor(gid, dtype=torch.long), temperature=temp,
+            cand_offsets=offs, cand_ids=ids, cand_logprobs=clq))
+    stats.group_names = list(names)
+    return records, stats
+
+
+def collate(records: Sequence[Record], pad_id: int = 0) -> TrainBatch:
+    """Right-pad a non-empty subset of records into one batch."""
+    if not records:
+        raise ValueError("collate needs at least one record")
+    b, lmax = len(records), max(int(r.tokens.numel()) for r in records)
+    input_ids = torch.full((b, lmax), pad_id, dtype=torch.long)
+    attn = torch.zeros(b, lmax, dtype=torch.long)
+    offs, k0 = [torch.zeros(1, dtype=torch.long)], 0
+    for i, r in enumerate(records):
+        input_ids[i, : r.tokens.numel()] = r.tokens
+        attn[i, : r.tokens.numel()] = 1
+        offs.append(r.cand_offsets[1:] + k0)
+        k0 += int(r.cand_ids.numel())
+    n_each = [int(r.gen_pos.numel()) for r in records]
+    cat = torch.cat
+
+    def opt(name: str) -> Tensor | None:
+        parts = [getattr(r, name) for r in records]
+        return None if any(p is None for p in parts) else cat(parts)
+
+    return TrainBatch(
+        input_ids=input_ids, attention_mask=attn,
+        pred_cols=cat([r.gen_pos - 1 for r in records]),
+        targets=cat([r.tokens[r.gen_pos] for r in records]),
+        seq_ids=torch.repeat_interleave(torch.arange(b), torch.tensor(n_each)),
+        sampler_logprobs=cat([r.sampler_logprobs for r in records]),
+        advantages=cat([r.advantages for r in records]),
+        versions=cat([r.versions for r in records]),
+        group_ids=cat([r.group_ids for r in records]),
+        temperature=cat([torch.full((n,), r.temperature) for n, r in zip(n_each, records, strict=True)]),
+        cand_offsets=cat(offs), cand_ids=cat([r.cand_ids for r in records]),
+        cand_logprobs=cat([r.cand_logprobs for r in records]),
+        old_logprobs=opt("old_logprobs"), cand_old_logprobs=opt("cand_old_logprobs"),
+        trainer_logprobs=opt("trainer_logprobs"), cand_trainer_logprobs=opt("cand_trainer_logprobs"),
+        entropy=opt("entropy"),
+    )

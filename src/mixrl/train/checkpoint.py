@@ -1,0 +1,173 @@
+"""Atomic checkpoints: a checkpoint is either complete and loadable, or invisible.
+
+Layout under ``run_dir``::
+
+    checkpoints/
+      step_000120/            complete checkpoints (meta.json written last)
+        meta.json             {"step", "parts": {name: "json" | "pt"}, "created"}
+        trainer.pt            a part that holds tensors (torch.save)
+        orchestrator.json     a JSON-able part (data cursor, buffer, prompts in flight)
+        rng.pt                torch / python / numpy RNG states (added automatically)
+      latest                  one line: the directory name of the newest checkpoint
+
+Writing (single writer): every file goes into ``checkpoints/.tmp-*`` and is
+fsynced, then the directory is renamed to ``step_XXXXXX`` (one atomic rename on
+the same filesystem), then ``latest`` is replaced atomically (write aside,
+``os.replace``). A crash at any point leaves the previous checkpoint and the
+previous ``latest`` untouched; a half-written ``.tmp-*`` directory is ignored by
+readers and removed by the next save. Only the newest ``keep`` checkpoints stay.
+
+Reading: :func:`load_latest` follows ``latest``; if it names a missing or
+incomplete directory (a crash between rename and pointer update), it falls back
+to the newest complete ``step_*`` directory. ``.pt`` parts are loaded with
+``weights_only=True``: they may hold tensors and plain containers of numbers
+and strings, nothing that needs arbitrary unpickling. JSON parts come back as
+JSON (tuples as lists, keys as strings).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+_NAME = re.compile(r"^[A-Za-z0-9_-]+$")
+_STEP = re.compile(r"^step_(\d{6,})$")
+RESERVED = ("meta", "rng")
+
+
+def capture_rng() -> dict[str, Any]:
+    """RNG states of torch (CPU, and CUDA when present), python and numpy."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    py = random.getstate()
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached)],
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        return json.loads(json.dumps(value, allow_nan=True)) == value
+    except (TypeError, ValueError):
+        return False
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write(path: Path, value: Any, kind: str) -> None:
+    with open(path, "wb") as f:
+        if kind == "json":
+            f.write(json.dumps(value, allow_nan=True).encode())
+        else:
+            torch.save(value, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any], *, keep: int = 3) -> Path:
+    """Write ``payload`` (part name -> value) as checkpoint ``step``; returns its directory."""
+    if step < 0:
+        raise ValueError(f"step must be >= 0, got {step}")
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    for name in payload:
+        if not _NAME.match(name) or name in RESERVED:
+            raise ValueError(f"payload part name {name!r} must match [A-Za-z0-9_-]+ and not be one of {RESERVED}")
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by a crashed writer
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:06d}-", dir=root))
+    final = root / f"step_{step:06d}"
+    try:
+        parts = {}
+        for name, value in {**payload, "rng": capture_rng()}.items():
+            kind = "json" if name != "rng" and _is_json(value) else "pt"
+            _write(tmp / f"{name}.{kind}", value, kind)
+            parts[name] = kind
+        _write(tmp / "meta.json", {"step": step, "parts": parts, "created": time.time()}, "json")
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step (e.g. after resume): move the old one aside first
+            old = Path(tempfile.mkdtemp(prefix=f".tmp-old-{final.name}-", dir=root))
+            os.replace(final, old / final.name)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    pointer = root / ".latest.tmp"
+    pointer.write_text(final.name + "\n")
+    with open(pointer, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(pointer, root / "latest")
+    _fsync_dir(root)
+    for old_dir in list_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(old_dir, ignore_errors=True)
+    for stale in root.glob(".tmp-old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoint directories, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / "meta.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
+    """All parts of one checkpoint directory, plus ``step`` and ``rng``."""
+    path = Path(path)
+    meta = json.loads((path / "meta.json").read_text())
+    out: dict[str, Any] = {"step": int(meta["step"])}
+    for name, kind in meta["parts"].items():
+        file = path / f"{name}.{kind}"
+        if kind == "json":
+            out[name] = json.loads(file.read_text())
+        else:
+            out[name] = torch.load(file, map_location=map_location, weights_only=True)
+    return out
+
+
+def load_latest(run_dir: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
+    """The newest complete checkpoint of ``run_dir`` (see module doc), or None if there is none."""
+    root = Path(run_dir) / "checkpoints"
+    pointer = root / "latest"
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if _STEP.match(target.name) and (target / "meta.json").is_file():
+            return load_checkpoint(target, map_location)
+    complete = list_checkpoints(run_dir)
+    return load_checkpoint(complete[-1], map_location) if complete else None

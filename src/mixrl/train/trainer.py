@@ -1,0 +1,320 @@
+"""The trainer: loss assembly from ``mixrl.corrections``, optimizer step, versions.
+
+One :meth:`Trainer.step` turns a batch of trajectories into one new weights
+version::
+
+    records = prepare(trajectories)                    # validate, drop + count malformed
+    p_old   = no-grad pass                             # only when epochs * minibatches > 1
+    for epoch, minibatch:                              # one AdamW step per minibatch
+        D = aggregation_denominator(minibatch)         # once, over the whole minibatch
+        for micro-batch:                               # gradient accumulation
+            h   = model.model(ids, mask).last_hidden_state[rows, t - 1]    # [N, d]
+            out = chunked_logprobs(h, lm_head.weight, y, candidates)       # never [N, V]
+            compute_loss(LossInputs(...), cfg, D).backward()
+        clip (optim/grad_norm is the norm before clipping), AdamW
+    version += 1
+
+Because ``D`` is shared, k micro-batches give exactly the gradient of one batch.
+With one epoch and one minibatch ``p_old = p_θ.detach()`` (the update starts
+where the gradient is taken). Otherwise ``p_old`` is fixed by a first pass and
+the loss takes the decoupled three-policy form (CORRECTIONS.md §1): behaviour
+weights use ``p_old / q``, the objective's ratio ``p_θ / p_old``.
+
+Precision ``bf16``: the model's parameters are cast to bfloat16 (the weights the
+samplers receive); AdamW keeps float32 master copies and writes them back after
+every step, so small updates are not lost to bf16 rounding. Log-probabilities
+and the loss are float32 either way (see ``mixrl.models.chunked``).
+
+Metrics are those of ``compute_loss`` over the whole batch (a detached pass
+when the batch was cut into micro-batches), plus ``optim/*``, ``rollout/staleness_*``
+and ``train/*`` counters. A step whose gradient norm is not finite leaves the
+weights unchanged (``optim/skipped_steps``); ``version`` still advances by one
+per call, so it always equals the number of completed steps.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mixrl.config.loss import LossConfig, check_compatible
+from mixrl.corrections import LossInputs, aggregation_denominator, compute_loss
+from mixrl.models.chunked import TokenLogprobs, chunked_logprobs
+from mixrl.rollout.types import Trajectory
+from mixrl.train.batch import BatchStats, Record, TrainBatch, collate, prepare
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def needed_cand_kind(cfg: LossConfig) -> str:
+    """Candidates of q the loss needs: support for replay, head for full-vocabulary SC."""
+    if cfg.support_replay:
+        return "support"
+    return "head" if cfg.score_centering else "none"
+
+
+class Trainer:
+    def __init__(
+        self,
+        model: Any,  # HF causal LM with .model (decoder) and .lm_head (plain linear)
+        loss_cfg: LossConfig,
+        *,
+        lr: float,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        precision: str = "fp32",
+        epochs: int = 1,
+        minibatches: int = 1,
+        temperature: float = 1.0,
+        micro_batch_size: int | None = None,  # trajectories per forward/backward; None = all
+        chunk_size: int = 1024,
+        pad_id: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision {precision!r} is not one of {tuple(PRECISIONS)}")
+        for name, v, lo in (("lr", lr, 0.0), ("grad_clip", grad_clip, 0.0), ("temperature", temperature, 0.0)):
+            if not (math.isfinite(v) and v > lo):
+                raise ValueError(f"{name} must be a finite number > {lo}, got {v}")
+        if not (math.isfinite(weight_decay) and weight_decay >= 0):
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        if minibatches < 1 or (micro_batch_size is not None and micro_batch_size < 1):
+            raise ValueError(f"minibatches={minibatches} and micro_batch_size={micro_batch_size} must be >= 1")
+        check_compatible(loss_cfg, epochs)
+        if minibatches > 1 and loss_cfg.score_centering:
+            raise ValueError(f"loss.score_centering=True with minibatches={minibatches}: score centering "
+                             "needs p_θ == p_old where the gradient is taken; set minibatches=1")
+        self.model, self.loss_cfg = model, loss_cfg
+        self.epochs, self.minibatches, self.temperature = epochs, minibatches, temperature
+        self.micro_batch_size, self.chunk_size, self.pad_id, self.seed = micro_batch_size, chunk_size, pad_id, seed
+        self.grad_clip, self.precision = grad_clip, precision
+        self.cand_kind = needed_cand_kind(loss_cfg)
+        self.version = 0
+        model.to(PRECISIONS[precision])
+        model.train()
+        self.params = [p for p in model.parameters() if p.requires_grad]  # tied weights once
+        # bf16: AdamW updates float32 master copies (a bf16 weight cannot absorb lr * 1e-3 steps)
+        self.master = [p.detach().float().clone() for p in self.params] if precision == "bf16" else None
+        opt_params = self.master if self.master is not None else self.params
+        self.optimizer = torch.optim.AdamW(opt_params, lr=lr, weight_decay=weight_decay)
+
+    # ------------------------------------------------------------------ forward
+
+    def _forward(self, tb: TrainBatch) -> TokenLogprobs:
+        cut = int(tb.pred_cols.max()) + 1  # later tokens cannot influence earlier predictions
+        out = self.model.model(input_ids=tb.input_ids[:, :cut], attention_mask=tb.attention_mask[:, :cut])
+        h = out.last_hidden_state[tb.seq_ids, tb.pred_cols]  # [N, d]
+        head = self.model.lm_head
+        kind = self.cand_kind
+        return chunked_logprobs(
+            h, head.weight, tb.targets, bias=head.bias, temperature=tb.temperature, cand_kind=kind,
+            cand_offsets=tb.cand_offsets if kind != "none" else None,
+            cand_ids=tb.cand_ids if kind != "none" else None,
+            replay=self.loss_cfg.support_replay, chunk_size=self.chunk_size)
+
+    def _inputs(self, tb: TrainBatch, lp: Tensor, clp: Tensor, ent: Tensor | None,
+                old: Tensor, cold: Tensor, names: list[str]) -> LossInputs:
+        kind, n = self.cand_kind, lp.shape[0]
+        return LossInputs(
+            trainer_logprobs=lp, old_logprobs=old, sampler_logprobs=tb.sampler_logprobs,
+            advantages=tb.advantages, loss_mask=torch.ones(n, dtype=torch.bool), seq_ids=tb.seq_ids,
+            num_seqs=tb.num_seqs, cand_kind=kind,
+            cand_offsets=tb.cand_offsets if kind != "none" else None,
+            cand_trainer_logprobs=clp if kind != "none" else None,
+            cand_old_logprobs=cold if kind != "none" else None,
+            cand_sampler_logprobs=tb.cand_logprobs if kind != "none" else None,
+            entropy=ent, group_ids=tb.group_ids, group_names=names)
+
+    def _micro(self, records: list[Record]) -> list[list[Record]]:
+        m = self.micro_batch_size or len(records)
+        return [records[i:i + m] for i in range(0, len(records), m)]
+
+    @staticmethod
+    def _store(records: list[Record], out: TokenLogprobs, *fields: str) -> None:
+        """Write detached per-record slices of ``out`` onto ``records``."""
+        n = [int(r.gen_pos.numel()) for r in records]
+        k = [int(r.cand_ids.numel()) for r in records]
+        lp, ent = out.logprobs.detach().split(n), out.entropy.detach().split(n)
+        clp = out.cand_logprobs.detach().split(k) if out.cand_logprobs.numel() else [torch.zeros(0)] * len(records)
+        for r, a, c, e in zip(records, lp, clp, ent, strict=True):
+            for f in fields:
+                setattr(r, f, {"old_logprobs": a, "trainer_logprobs": a, "cand_old_logprobs": c,
+                               "cand_trainer_logprobs": c, "entropy": e}[f])
+
+    # ------------------------------------------------------------------ step
+
+    def denominator(self, records: list[Record], mode: str, G: int | None, max_len: int | None) -> float:
+        seq_ids = torch.cat([torch.full((int(r.gen_pos.numel()),), i) for i, r in enumerate(records)])
+        if mode == "seq_mean_token_sum_norm" and max_len is None:
+            max_len = max(int(r.gen_pos.numel()) for r in records)  # documented fallback
+        return aggregation_denominator(mode, torch.ones(seq_ids.shape[0], dtype=torch.bool), seq_ids,
+                                       len(records), G=G, max_len=max_len)
+
+    def _accumulate(self, mini: list[Record], denom: float, decoupled: bool, first: bool,
+                    names: list[str]) -> tuple[float, dict[str, float], int]:
+        """Backward over ``mini`` in micro-batches with the shared ``denom``; grads accumulate."""
+        loss_sum, n_micro = 0.0, 0
+        metrics: dict[str, float] = {}
+        for mb in self._micro(mini):
+            tb = collate(mb, self.pad_id)
+            out = self._forward(tb)
+            old = tb.old_logprobs if decoupled else out.logprobs.detach()
+            cold = tb.cand_old_logprobs if decoupled else out.cand_logprobs.detach()
+            assert old is not None and cold is not None
+            inp = self._inputs(tb, out.logprobs, out.cand_logprobs, out.entropy, old, cold, names)
+            loss, metrics = compute_loss(inp, self.loss_cfg, denom)
+            loss.backward()
+            loss_sum, n_micro = loss_sum + float(loss.detach()), n_micro + 1
+            if first:  # detached values of the first pass, for whole-batch metrics
+                self._store(mb, out, "trainer_logprobs", "cand_trainer_logprobs", "entropy")
+                if not decoupled:
+                    self._store(mb, out, "old_logprobs", "cand_old_logprobs")
+        return loss_sum, metrics, n_micro
+
+    def backward(self, trajectories: Sequence[Trajectory], advantages: Sequence[float | Sequence[float]] | Tensor,
+                 *, denom_mode: str | None = None, G: int | None = None, max_len: int | None = None,
+                 strict: bool = False) -> dict[str, float]:
+        """The one-pass gradient of the whole batch, left in ``param.grad``; no optimizer step.
+
+        For checks and diagnostics (gradient references, accumulation tests); ``step``
+        is the training entry point.
+        """
+        records, stats = self._prepare(trajectories, advantages, strict)
+        if not records:
+            return {}
+        denom = self.denominator(records, denom_mode or self.loss_cfg.aggregation, G, max_len)
+        loss, metrics, n_micro = self._accumulate(records, denom, False, True, stats.group_names)
+        if n_micro > 1:
+            metrics = self._batch_metrics(records, stats, denom_mode or self.loss_cfg.aggregation, G, max_len)
+        return {**metrics, "loss": loss}
+
+    def _prepare(self, trajectories: Sequence[Trajectory], advantages: Any, strict: bool) -> tuple[list[Record], BatchStats]:
+        vocab = int(self.model.lm_head.weight.shape[0])
+        return prepare(trajectories, advantages, vocab_size=vocab, cand_kind=self.cand_kind,
+                       temperature=self.temperature, strict=strict)
+
+    def step(
+        self,
+        trajectories: Sequence[Trajectory],
+        advantages: Sequence[float | Sequence[float]] | Tensor,  # [S], or per generated token
+        *,
+        denom_mode: str | None = None,  # default: loss_cfg.aggregation
+        G: int | None = None,  # group size, checked by seq_mean_token_sum_norm
+        max_len: int | None = None,  # generation budget for seq_mean_token_sum_norm
+        strict: bool = False,  # raise on a malformed trajectory instead of dropping it
+    ) -> dict[str, float]:
+        """One optimizer update (or ``epochs * minibatches`` of them); returns the metrics."""
+        t0 = time.perf_counter()
+        mode = denom_mode or self.loss_cfg.aggregation
+        records, stats = self._prepare(trajectories, advantages, strict)
+        for p in self.params:  # gradients left by backward() must not leak into the update
+            p.grad = None
+        metrics: dict[str, float] = {}
+        norms: list[float] = []
+        if records:
+            decoupled = self.epochs * self.minibatches > 1
+            if decoupled:  # p_old fixed at θ_old for every epoch and minibatch
+                with torch.no_grad():
+                    for mb in self._micro(records):
+                        out = self._forward(collate(mb, self.pad_id))
+                        self._store(mb, out, "old_logprobs", "cand_old_logprobs")
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.version)
+            loss0, n_micro = 0.0, 0
+            for epoch in range(self.epochs):
+                order = torch.randperm(len(records), generator=gen).tolist() if decoupled else range(len(records))
+                shuffled = [records[i] for i in order]
+                size = math.ceil(len(shuffled) / self.minibatches)
+                n_mini = math.ceil(len(shuffled) / size)
+                for m0 in range(0, len(shuffled), size):
+                    mini = shuffled[m0:m0 + size]
+                    denom = self.denominator(mini, mode, G, max_len)
+                    loss, mb_metrics, k = self._accumulate(mini, denom, decoupled, epoch == 0, stats.group_names)
+                    if epoch == 0:
+                        loss0, n_micro, metrics = loss0 + loss, n_micro + k, mb_metrics
+                    norms.append(self._optimizer_step())
+            if n_micro > 1:  # exact whole-batch metrics from the detached epoch-0 values
+                metrics = self._batch_metrics(records, stats, mode, G, max_len)
+            metrics["loss"] = loss0 / n_mini  # mean over the epoch-0 minibatches
+        self.version += 1
+        skipped = sum(not math.isfinite(x) for x in norms)
+        metrics.update(self._counters(records, stats, norms, skipped, time.perf_counter() - t0))
+        return metrics
+
+    def _batch_metrics(self, records: list[Record], stats: BatchStats, mode: str,
+                       G: int | None, max_len: int | None) -> dict[str, float]:
+        tb = collate(records, self.pad_id)
+        assert tb.trainer_logprobs is not None and tb.old_logprobs is not None
+        assert tb.cand_trainer_logprobs is not None and tb.cand_old_logprobs is not None
+        with torch.no_grad():
+            inp = self._inputs(tb, tb.trainer_logprobs, tb.cand_trainer_logprobs, tb.entropy,
+                               tb.old_logprobs, tb.cand_old_logprobs, stats.group_names)
+            return compute_loss(inp, self.loss_cfg, self.denominator(records, mode, G, max_len))[1]
+
+    def _optimizer_step(self) -> float:
+        """Clip and step; returns the global gradient norm before clipping."""
+        if self.master is not None:
+            for m, p in zip(self.master, self.params, strict=True):
+                m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+        opt_params = self.master if self.master is not None else self.params
+        norm = float(torch.nn.utils.clip_grad_norm_(opt_params, self.grad_clip))
+        if math.isfinite(norm):  # a non-finite gradient would poison AdamW's moments for good
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.params:
+            p.grad = None
+        if self.master is not None:
+            with torch.no_grad():
+                for m, p in zip(self.master, self.params, strict=True):
+                    p.copy_(m)
+        return norm
+
+    def _counters(self, records: list[Record], stats: BatchStats, norms: list[float],
+                  skipped: int, seconds: float) -> dict[str, float]:
+        out = {
+            "optim/grad_norm": sum(norms) / len(norms) if norms else 0.0,
+            "optim/lr": float(self.optimizer.param_groups[0]["lr"]),
+            "optim/steps": float(len(norms)),
+            "optim/skipped_steps": float(skipped),
+            "train/version": float(self.version),
+            "train/trajectories": float(len(records)),
+            "train/tokens": float(sum(int(r.gen_pos.numel()) for r in records)),
+            "train/dropped_malformed": float(stats.dropped_malformed),
+            "train/dropped_infra": float(stats.dropped_infra),
+            "train/dropped_empty": float(stats.dropped_empty),
+            "train/nonfinite_sampler": float(stats.nonfinite_sampler),
+            "perf/train_step_s": seconds,
+        }
+        versions = torch.cat([r.versions for r in records]) if records else torch.zeros(0, dtype=torch.long)
+        versions = versions[versions >= 0]
+        if versions.numel():  # trainer version the update started from − token version
+            stale = (self.version - 1 - versions).float()
+            out["rollout/staleness_mean"] = float(stale.mean())
+            out["rollout/staleness_max"] = float(stale.max())
+        return out
+
+    # ------------------------------------------------------------------ weights and state
+
+    def state_dict_for_samplers(self) -> dict[str, Tensor]:
+        """Copies of the current weights on the CPU, in the trainer's precision (immutable)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "master": None if self.master is None else [m.detach().clone() for m in self.master],
+                "version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.master is not None:
+            if state.get("master") is None:
+                raise ValueError("checkpoint has no float32 master weights but precision is bf16")
+            with torch.no_grad():
+                for m, saved in zip(self.master, state["master"], strict=True):
+                    m.copy_(saved)
+        self.version = int(state["version"])
