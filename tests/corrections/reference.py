@@ -218,7 +218,7 @@ def ref_surrogate(b: Batch, obj) -> list[Tensor]:
             )
         elif obj.type == "cispo":
             lo = -math.inf if obj.eps_low is None else 1 - obj.eps_low
-            out.append(min(max(float(r), lo), 1 + obj.eps_high) * a * torch.log(p_y[t]))
+            out.append(min(max(float(r.detach()), lo), 1 + obj.eps_high) * a * torch.log(p_y[t]))
     return out
 
 

@@ -70,13 +70,13 @@ def grpo_advantages(
         )
     _, group = torch.unique(prompt_index, return_inverse=True)  # [S] in 0..P-1
     p = int(group.max().item()) + 1 if s else 0
-    r = torch.where(keep, rewards, torch.zeros_like(rewards)).to(torch.float64)
+    r = torch.where(keep, rewards, 0.0).to(torch.float64)
     k = keep.to(torch.float64)
     n = torch.zeros(p, dtype=torch.float64, device=r.device).index_add(
         0, group, k
     )  # [P] kept per group
     mean = torch.zeros_like(n).index_add(0, group, r) / n.clamp_min(1.0)  # [P]
-    dev = torch.where(keep, r - mean[group], torch.zeros_like(r))  # [S]
+    dev = torch.where(keep, r - mean[group], 0.0)  # [S]
     var = torch.zeros_like(n).index_add(0, group, dev * dev) / (n - 1.0).clamp_min(1.0)  # [P]
     rmax = torch.full_like(n, -torch.inf).scatter_reduce(
         0, group, torch.where(keep, r, -torch.inf), "amax"
@@ -86,7 +86,7 @@ def grpo_advantages(
     )
     signal = (n >= 2) & (rmax > rmin)  # [P]
     adv = dev / (var.sqrt() + eps)[group] if use_std else dev
-    adv = torch.where(keep & signal[group], adv, torch.zeros_like(adv)).to(rewards.dtype)
+    adv = torch.where(keep & signal[group], adv, 0.0).to(rewards.dtype)
     stats = {
         "rollout/infra_failed": float(infra.sum().item()),
         "rollout/groups": float(p),

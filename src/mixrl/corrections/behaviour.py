@@ -73,7 +73,7 @@ def token_rule_weight(rule: Any, rho: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         return rho.clamp_max(rule.cap), false, rho > rule.cap
     if rule.type == "mis":
         keep = (rho >= rule.lo) & (rho <= rule.hi)
-        return torch.where(keep, rho, torch.zeros_like(rho)), ~keep, false
+        return torch.where(keep, rho, 0.0), ~keep, false
     raise ValueError(f"not a token rule: {rule.type!r}")
 
 
@@ -95,14 +95,14 @@ def _seq_tis(cfg: Any, ctx: _Ctx) -> _Effect:
 def _seq_mis(cfg: Any, ctx: _Ctx) -> _Effect:
     rho_i, _ = _seq_ratio(ctx)
     keep = (rho_i >= cfg.lo) & (rho_i <= cfg.hi)
-    return _Effect(seq=torch.where(keep, rho_i, torch.zeros_like(rho_i)), dropped=~keep)
+    return _Effect(seq=torch.where(keep, rho_i, 0.0), dropped=~keep)
 
 
 def _geo_mask(cfg: Any, ctx: _Ctx) -> _Effect:
     _, geo = _seq_ratio(ctx)
     keep = (geo >= cfg.lo) & (geo <= cfg.hi)
     kept_weight = geo if cfg.weight == "ratio" else torch.ones_like(geo)
-    return _Effect(seq=torch.where(keep, kept_weight, torch.zeros_like(geo)), dropped=~keep)
+    return _Effect(seq=torch.where(keep, kept_weight, 0.0), dropped=~keep)
 
 
 def _veto(cfg: Any, ctx: _Ctx) -> _Effect:

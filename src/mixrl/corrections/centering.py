@@ -36,29 +36,29 @@ import torch
 from torch import Tensor
 
 from mixrl.corrections.behaviour import token_rule_weight
-from mixrl.corrections.ratios import clamp_log
+from mixrl.corrections.ratios import clamp_log, segment_sum
 
 
-def candidate_validity(
-    cand_pos: Tensor, num_tokens: int, *cand_values: Tensor
-) -> tuple[Tensor, Tensor]:
+def candidate_validity(cand_offsets: Tensor, *cand_values: Tensor) -> tuple[Tensor, Tensor]:
     """``(cand_ok [K] bool, position_ok [N] bool)``: all candidate values finite.
 
-    A position is not OK when any of its candidates has a NaN/±inf entry.
+    A position is not OK when any of its candidates has a NaN/±inf entry. The
+    values are log-probabilities (<= 0 when finite), so their sum is finite
+    exactly when each one is: one ``isfinite`` instead of one per input.
     """
-    cand_ok = torch.ones_like(cand_values[0], dtype=torch.bool)
-    for v in cand_values:
-        cand_ok = cand_ok & torch.isfinite(v)
-    bad = torch.zeros(num_tokens, dtype=torch.int32, device=cand_ok.device)
-    bad = bad.index_add(0, cand_pos, (~cand_ok).to(torch.int32))
+    total = cand_values[0]
+    for v in cand_values[1:]:
+        total = total + v
+    cand_ok = torch.isfinite(total)  # [K]
+    bad = segment_sum((~cand_ok).to(total.dtype), cand_offsets)  # [N] non-finite candidates
     return cand_ok, bad == 0
 
 
 def centering_coefficients(
     kind: str,
     rule: Any,
+    cand_offsets: Tensor,
     cand_pos: Tensor,
-    num_tokens: int,
     cand_old: Tensor,
     cand_sampler: Tensor,
     *,
@@ -67,8 +67,9 @@ def centering_coefficients(
 ) -> Tensor:
     """Detached coefficients ``c`` [K] with ``Σ_k c_k ∇log p_θ(v_k)`` = the centring gradient.
 
-    ``cand_old``/``cand_sampler`` [K] must be finite. ``kind`` is "support"
-    (exact) or "head" (tail modelled, coefficient ``q w − α p``).
+    ``cand_old``/``cand_sampler`` [K] must be finite; ``cand_pos`` [K] is each
+    candidate's position. ``kind`` is "support" (exact) or "head" (tail
+    modelled, coefficient ``q w − α p``).
     """
     cand_old, cand_sampler = cand_old.detach(), cand_sampler.detach()
     rho_v = torch.exp(clamp_log(cand_old - cand_sampler, clamp))  # [K] ρ(v)
@@ -79,11 +80,8 @@ def centering_coefficients(
     if kind != "head":
         raise ValueError(f"score centering needs cand_kind 'support' or 'head', got {kind!r}")
     f64 = torch.float64
-    q_head = torch.zeros(num_tokens, dtype=f64, device=coeff.device)
-    q_head = q_head.index_add(0, cand_pos, torch.exp(cand_sampler.to(f64)))  # [N] q(H_t)
-    p_head = torch.zeros_like(q_head).index_add(
-        0, cand_pos, torch.exp(cand_old.to(f64))
-    )  # [N] p(H_t)
+    q_head = segment_sum(torch.exp(cand_sampler.to(f64)), cand_offsets)  # [N] q(H_t)
+    p_head = segment_sum(torch.exp(cand_old.to(f64)), cand_offsets)  # [N] p(H_t)
     kappa = (1.0 - q_head).clamp_min(tail_eps) / (1.0 - p_head).clamp_min(tail_eps)  # [N] κ_t
     w_tail, _, _ = token_rule_weight(rule, 1.0 / kappa)  # [N] w(1/κ_t)
     alpha = (kappa * w_tail).to(coeff.dtype)  # [N] α_t
@@ -91,14 +89,13 @@ def centering_coefficients(
 
 
 def centering_term(
-    coeff: Tensor, cand_trainer: Tensor, cand_pos: Tensor, cand_ok: Tensor, num_tokens: int
+    coeff: Tensor, cand_trainer: Tensor, cand_offsets: Tensor, cand_ok: Tensor
 ) -> Tensor:
     """Surrogate ``Σ_{v∈cands(t)} sg(c_t(v)) log p_θ(v)`` per position, [N] (carries grad).
 
     Non-finite candidates are replaced before the product so that neither the
     value nor the gradient ever sees a NaN (a NaN times 0 is still NaN).
     """
-    safe = torch.where(cand_ok, cand_trainer, torch.zeros_like(cand_trainer))  # [K]
-    c = torch.where(cand_ok, coeff.detach(), torch.zeros_like(coeff)).to(safe.dtype)
-    out = torch.zeros(num_tokens, dtype=safe.dtype, device=safe.device)
-    return out.index_add(0, cand_pos, c * safe)
+    safe = torch.where(cand_ok, cand_trainer, 0.0)  # [K]
+    c = torch.where(cand_ok, coeff.detach(), 0.0).to(safe.dtype)
+    return segment_sum(c * safe, cand_offsets)

@@ -38,7 +38,33 @@ if TYPE_CHECKING:
 
 
 def _zeros_where(mask: Tensor, x: Tensor) -> Tensor:
-    return torch.where(mask, x, torch.zeros_like(x))
+    return torch.where(mask, x, 0.0)
+
+
+def _centering(
+    inputs: LossInputs, cfg: LossConfig, cand_ok: Tensor | None, dt: torch.dtype
+) -> Tensor:
+    """Σ_v sg(c_t(v)) log p_θ(v) per position [N] over finite candidates (section 7)."""
+    off, c_lp = inputs.cand_offsets, inputs.cand_trainer_logprobs
+    c_old, c_q = inputs.cand_old_logprobs, inputs.cand_sampler_logprobs
+    assert off is not None and c_lp is not None and c_old is not None and c_q is not None
+    assert cand_ok is not None
+    c_old = torch.where(cand_ok, c_old.detach().to(dt), 0.0)  # [K]
+    c_q = torch.where(cand_ok, c_q.detach().to(dt), 0.0)  # [K]
+    # positions of candidates: only the head form gathers a per-position α_t
+    pos = candidate_positions(off, c_lp.shape[0]) if inputs.cand_kind == "head" else off[:0]
+    rule = cfg.token_weight()
+    coeff = centering_coefficients(
+        inputs.cand_kind,
+        rule,
+        off,
+        pos,
+        c_old,
+        c_q,
+        clamp=cfg.log_ratio_clamp,
+        tail_eps=cfg.tail_eps,
+    )
+    return centering_term(coeff, c_lp.to(dt), off, cand_ok)
 
 
 def compute_loss(
@@ -61,23 +87,21 @@ def compute_loss(
     d_val = float(denom)  # one host sync when D arrives as a tensor
     if not math.isfinite(d_val) or d_val < 0:
         raise ValueError(f"denom must be a finite number >= 0, got {d_val}")
-    n, clamp = inputs.num_tokens, cfg.log_ratio_clamp
+    clamp = cfg.log_ratio_clamp
     lp_raw = inputs.trainer_logprobs
     valid = inputs.loss_mask.clone()
     for t in (lp_raw, inputs.old_logprobs, inputs.sampler_logprobs, inputs.advantages):
         valid &= torch.isfinite(t.detach())
-    cand_pos = cand_ok = None
+    cand_ok = None
     if inputs.has_candidates:
         assert inputs.cand_offsets is not None and inputs.cand_trainer_logprobs is not None
         assert inputs.cand_old_logprobs is not None and inputs.cand_sampler_logprobs is not None
-        cand_pos = candidate_positions(inputs.cand_offsets, inputs.cand_trainer_logprobs.shape[0])
         cand_ok, pos_ok = candidate_validity(
-            cand_pos,
-            n,
+            inputs.cand_offsets,
             inputs.cand_trainer_logprobs.detach(),
             inputs.cand_old_logprobs,
             inputs.cand_sampler_logprobs,
-        )
+        )  # [K], [N]
         valid &= pos_ok
     nonfinite = (inputs.loss_mask & ~valid).sum()
 
@@ -95,27 +119,7 @@ def compute_loss(
     g, clipped = surrogate(cfg.objective, x)  # [N]
     per_token = beh.token_weight * g  # [N]
     if cfg.score_centering:
-        assert (
-            cand_pos is not None
-            and cand_ok is not None
-            and inputs.cand_trainer_logprobs is not None
-        )
-        assert inputs.cand_old_logprobs is not None and inputs.cand_sampler_logprobs is not None
-        zero_k = torch.zeros((), dtype=dt, device=lp.device)
-        c_old = torch.where(cand_ok, inputs.cand_old_logprobs.detach().to(dt), zero_k)
-        c_q = torch.where(cand_ok, inputs.cand_sampler_logprobs.detach().to(dt), zero_k)
-        coeff = centering_coefficients(
-            inputs.cand_kind,
-            cfg.token_weight(),
-            cand_pos,
-            n,
-            c_old,
-            c_q,
-            clamp=clamp,
-            tail_eps=cfg.tail_eps,
-        )
-        cand_lp = inputs.cand_trainer_logprobs.to(dt)
-        per_token = per_token - adv * centering_term(coeff, cand_lp, cand_pos, cand_ok, n)
+        per_token = per_token - adv * _centering(inputs, cfg, cand_ok, dt)
     factor = beh.seq_weight * valid.to(dt)  # [N]
     scale = token_scale(cfg.aggregation, inputs.loss_mask, inputs.seq_ids, inputs.num_seqs, dt)
     if scale is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mixrl.corrections.ratios import candidate_positions, clamp_log
+from mixrl.corrections.ratios import clamp_log, segment_sum
 from mixrl.corrections.types import LossInputs
 
 OOB_LO, OOB_HI = 0.2, 5.0
@@ -53,9 +53,8 @@ def mismatch_terms(
 ) -> dict[str, tuple[Tensor, Tensor]]:
     """Per-position terms ``{name: (value [N], mask [N])}`` of the mismatch metrics (detached, float32+)."""
     dt = torch.promote_types(inputs.old_logprobs.dtype, torch.float32)
-    zero = torch.zeros((), dtype=dt, device=valid.device)
-    old = torch.where(valid, inputs.old_logprobs.detach().to(dt), zero)
-    lq = torch.where(valid, inputs.sampler_logprobs.detach().to(dt), zero)
+    old = torch.where(valid, inputs.old_logprobs.detach().to(dt), 0.0)
+    lq = torch.where(valid, inputs.sampler_logprobs.detach().to(dt), 0.0)
     log_rho = clamp_log(old - lq, clamp)  # [N]
     rho = torch.exp(log_rho)
     terms = {
@@ -71,13 +70,10 @@ def mismatch_terms(
             inputs.cand_sampler_logprobs.detach().to(dt),
             inputs.cand_old_logprobs.detach().to(dt),
         )
-        pos = candidate_positions(inputs.cand_offsets, cq.shape[0])
-        ok = torch.isfinite(cq) & torch.isfinite(cp)
-        bad = torch.zeros(valid.shape[0], dtype=dt, device=valid.device).index_add(
-            0, pos, (~ok).to(dt)
-        )
-        contrib = torch.where(ok, torch.exp(cq) * (cq - cp), torch.zeros_like(cq))
-        kl = torch.zeros(valid.shape[0], dtype=dt, device=valid.device).index_add(0, pos, contrib)
+        ok = torch.isfinite(cq + cp)  # [K] log-probs: the sum is finite iff both are
+        bad = segment_sum((~ok).to(dt), inputs.cand_offsets)  # [N]
+        contrib = torch.where(ok, torch.exp(cq) * (cq - cp), 0.0)  # [K]
+        kl = segment_sum(contrib, inputs.cand_offsets)  # [N] Σ_v q log(q/p̃_old)
         terms["mismatch/kl_exact"] = (kl, valid & (bad == 0))
     return terms
 

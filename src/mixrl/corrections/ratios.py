@@ -31,7 +31,7 @@ def ratio(log_num: Tensor, log_den: Tensor, clamp: float = LOG_RATIO_CLAMP) -> T
 def seq_sum(values: Tensor, seq_ids: Tensor, num_seqs: int, mask: Tensor | None = None) -> Tensor:
     """``out[i] = Σ_{t: seq_ids[t]=i, mask[t]} values[t]``; values [N] -> [S]."""
     if mask is not None:
-        values = torch.where(mask, values, torch.zeros_like(values))
+        values = torch.where(mask, values, 0.0)
     out = values.new_zeros(num_seqs)
     return out.index_add(0, seq_ids, values)
 
@@ -53,7 +53,7 @@ def seq_extreme(
 ) -> Tensor:
     """Per-sequence ``amin``/``amax`` over kept positions, [S]; ±inf for an empty sequence."""
     fill = float("inf") if reduce == "amin" else float("-inf")
-    src = torch.where(mask, values, torch.full_like(values, fill))
+    src = torch.where(mask, values, fill)
     out = torch.full((num_seqs,), fill, dtype=values.dtype, device=values.device)
     return out.scatter_reduce(0, seq_ids, src, reduce=reduce, include_self=True)
 
@@ -76,8 +76,22 @@ def seq_log_ratio(
 def candidate_positions(cand_offsets: Tensor, num_candidates: int) -> Tensor:
     """Position index of each candidate, [K] long, from ``cand_offsets`` [N+1].
 
-    ``output_size`` is passed so that no host synchronisation is needed.
+    ``pos[k] = #{r in 1..N-1 : offsets[r] <= k}``: one scatter and one cumsum,
+    no host synchronisation (``repeat_interleave`` would need the output size and
+    is several times slower on CPU). Empty positions are handled: their start
+    offsets coincide with the next position's.
     """
-    counts = cand_offsets[1:] - cand_offsets[:-1]  # [N]
-    positions = torch.arange(counts.shape[0], device=cand_offsets.device)
-    return torch.repeat_interleave(positions, counts, output_size=num_candidates)
+    marks = torch.zeros(num_candidates + 1, dtype=torch.long, device=cand_offsets.device)
+    inner = cand_offsets[1:-1]  # [N-1] starts of positions 1..N-1
+    marks.index_add_(0, inner, torch.ones_like(inner))
+    return marks[:num_candidates].cumsum(0)
+
+
+def segment_sum(values: Tensor, cand_offsets: Tensor) -> Tensor:
+    """``out[t] = Σ_{k in offsets[t]:offsets[t+1]} values[k]``: [K] -> [N], differentiable.
+
+    The candidates of a position are contiguous, so a segmented reduction
+    (no atomics, no index tensor) does it; empty positions give 0. ``unsafe``
+    skips a device-side check of the offsets, which ``LossInputs.validate`` has done.
+    """
+    return torch.segment_reduce(values, "sum", offsets=cand_offsets, unsafe=True)
