@@ -1,0 +1,112 @@
+"""vLLM sampler figures: tokens/s, log-prob agreement with the trainer's FP32 forward, update time.
+
+``bench_vllm(model_path, prompts, params)`` runs one batch of ``prompts``
+(token-id lists) through a ``VLLMEngine`` in ``profile`` (default
+``cpu-vllm-fp32`` from ``vllm_profiles.toml``) and returns
+
+- ``vllm_tok_s``: generated tokens / wall seconds of the timed batch (after a
+  short warm-up batch, so first-call set-up is not counted);
+- ``vllm_logprob_max_abs_err_fp32``: max over generated tokens of
+  ``|log q_vllm(y) - log q_hf(y)|``, where ``log q_hf`` is the HF FP32 forward
+  over prompt + generated tokens, put through the same temperature / top-k /
+  top-p (``sample.sampling_logprobs``) in float64 — the trainer's side of the
+  off-policy ratio;
+- ``vllm_weight_update_s``: one in-place ``load_weights`` of the same weights;
+- ``vllm_startup_s``, ``vllm_tokens``, ``vllm_generate_s``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
+
+
+def hf_logprobs(
+    model: Any, prompts: list[list[int]], outs: list[GenerationResult], params: list[SamplingParams]
+) -> list[list[float]]:
+    """log q of every generated token under an HF model (its dtype), float64 after the logits."""
+    import torch
+
+    from mixrl.sampling.sample import sampling_logprobs
+
+    res: list[list[float]] = []
+    with torch.inference_mode():
+        for ids, out, p in zip(prompts, outs, params, strict=True):
+            n = len(out.token_ids)
+            if n == 0:
+                res.append([])
+                continue
+            x = torch.tensor([list(ids) + list(out.token_ids)])
+            logits = model(x).logits[0, len(ids) - 1 : len(ids) - 1 + n].double()  # [n, V]
+            t = torch.full((n,), p.temperature, dtype=torch.float64)
+            logq, _ = sampling_logprobs(
+                logits, t, torch.full((n,), p.top_k), torch.full((n,), p.top_p, dtype=torch.float64)
+            )
+            res.append(logq.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1).tolist())
+    return res
+
+
+def max_abs_err(outs: list[GenerationResult], ref: list[list[float]]) -> float:
+    errs = [
+        abs(a - b)
+        for o, r in zip(outs, ref, strict=True)
+        for a, b in zip(o.logprobs, r, strict=True)
+    ]
+    return max(errs) if errs else float("nan")
+
+
+def bench_vllm(
+    model_path: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    *,
+    profile: Any = "cpu-vllm-fp32",
+    num_threads: int | None = None,
+    seed: int = 0,
+) -> dict[str, float]:
+    """See the module doc. ``profile``: a Profile or a name in the vLLM catalogue."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mixrl.sampling.profiles import load_profiles
+    from mixrl.sampling.vllm_engine import VLLMEngine, vllm_profiles_path
+
+    if not prompts:
+        raise ValueError("bench_vllm: prompts is empty")
+    if isinstance(profile, str):
+        profile = load_profiles(vllm_profiles_path())[profile]
+    t0 = time.perf_counter()
+    eng = VLLMEngine(
+        model_path, profile, "bench", seed=seed, max_batch=len(prompts), num_threads=num_threads
+    )
+    startup = time.perf_counter() - t0
+    try:
+        warm = replace(params, max_new_tokens=min(4, params.max_new_tokens))
+        eng.generate_batch([GenerationRequest(list(p), warm) for p in prompts[:2]])
+        reqs = [
+            GenerationRequest(list(p), params, request_id=f"bench-{i}")
+            for i, p in enumerate(prompts)
+        ]
+        t0 = time.perf_counter()
+        outs = eng.generate_batch(reqs)
+        dt = time.perf_counter() - t0
+        bad = [o.error for o in outs if o.finish_reason not in ("stop", "length")]
+        if bad:
+            raise RuntimeError(f"bench_vllm: {len(bad)} requests failed, first: {bad[0]}")
+        hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        err = max_abs_err(outs, hf_logprobs(hf, prompts, outs, [params] * len(prompts)))
+        eng.load_weights(hf.state_dict(), 1)
+        ntok = sum(len(o.token_ids) for o in outs)
+        return {
+            "vllm_tok_s": ntok / dt,
+            "vllm_logprob_max_abs_err_fp32": err,
+            "vllm_weight_update_s": eng.last_update_s,
+            "vllm_startup_s": startup,
+            "vllm_tokens": float(ntok),
+            "vllm_generate_s": dt,
+        }
+    finally:
+        eng.close()

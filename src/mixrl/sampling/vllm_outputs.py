@@ -1,0 +1,77 @@
+"""One vLLM ``CompletionOutput`` -> one ``GenerationResult``.
+
+vLLM runs with ``logprobs_mode="processed_logprobs"``, so each step's
+``out.logprobs[j]`` maps token ids to ``log q`` after temperature, top-k and
+top-p: tokens outside the support carry ``-inf``. With ``logprobs=-1`` the map
+holds the whole vocabulary, and its finite entries are exactly the support
+(their probabilities sum to 1); with ``logprobs=K`` it holds the K most likely
+(``rank`` 1..K) plus the sampled token whatever its rank.
+
+Edge cases: a non-finite log-prob of a sampled token ends the request with
+``numerical_error`` before that token, so no NaN ever leaves the engine
+(vLLM does not report how many logits were non-finite: ``num_nonfinite`` is 1);
+a finish reason other than stop/length (an abort) is an ``error``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from mixrl.sampling.base import FinishReason, GenerationResult, SamplingParams
+
+
+def to_result(
+    out: Any, p: SamplingParams, version: int, group: str, timings: dict[str, float]
+) -> GenerationResult:
+    """Convert ``out`` (vllm ``CompletionOutput``) generated with ``p`` by weights ``version``."""
+    ids: list[int] = []
+    lps: list[float] = []
+    offs: list[int] = [0]
+    cids: list[int] = []
+    clps: list[float] = []
+    finish: FinishReason = "stop" if out.finish_reason == "stop" else "length"
+    error, nonfinite = "", 0
+    if out.finish_reason not in ("stop", "length"):
+        finish, error = "error", f"vLLM finished the request with {out.finish_reason!r}"
+    for j, tok in enumerate(out.token_ids):
+        dist = out.logprobs[j]  # {token id: Logprob} of this step's processed q
+        lp = dist[tok].logprob
+        if not math.isfinite(lp):  # never let a NaN / -inf log-prob leave the engine
+            finish, nonfinite = "numerical_error", 1
+            error = f"non-finite log-prob {lp} at generated token {j}"
+            break
+        ids.append(tok)
+        lps.append(lp)
+        if p.record == "support":  # finite entries are exactly the top-k/top-p support
+            sup = sorted((t, v.logprob) for t, v in dist.items() if math.isfinite(v.logprob))
+            cids.extend(t for t, _ in sup)
+            clps.extend(v for _, v in sup)
+        elif p.head_k:  # the K most likely, most likely first, never outside the support
+            head = sorted(
+                (v.rank, t, v.logprob)
+                for t, v in dist.items()
+                if v.rank is not None and v.rank <= p.head_k and math.isfinite(v.logprob)
+            )
+            cids.extend(t for _, t, _ in head)
+            clps.extend(v for _, _, v in head)
+        offs.append(len(cids))
+    kind = p.record
+    return GenerationResult(
+        token_ids=ids,
+        logprobs=lps,
+        cand_offsets=offs,
+        cand_ids=cids,
+        cand_logprobs=clps,
+        cand_kind="support"
+        if kind == "support"
+        else "head"
+        if kind.startswith("head:")
+        else "none",
+        version=version,
+        group=group,
+        finish_reason=finish,
+        num_nonfinite=nonfinite,
+        error=error,
+        timings=dict(timings),
+    )

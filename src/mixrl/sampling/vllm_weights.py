@@ -1,0 +1,137 @@
+"""Trainer weights for a vLLM engine: name checks, dtype preparation, versioned directories.
+
+A vLLM engine takes new weights in one of two ways (``VLLMEngine.load_weights``):
+
+- in its own process: an iterator of ``(HF name, tensor)`` handed to vLLM's
+  in-place ``reload_weights`` (``prepared``);
+- in a separate engine process: a directory ``ROOT/v{version}`` holding
+  ``model.safetensors`` and the checkpoint's ``config.json``, which the engine
+  reloads from (``write_version_dir``). A version directory appears whole or
+  not at all: it is written aside (``ROOT/.v{version}.tmp-*``), flushed, then
+  renamed, so an engine never reads a half-written version. Versions are
+  immutable: writing an existing version again returns the existing directory.
+
+Example: ``write_version_dir("/tmp/w", 3, sd, "/models/policy")`` -> ``/tmp/w/v3``;
+``prune_versions("/tmp/w", keep=2)`` then leaves the two newest ``v*``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def checkpoint_names(model_path: str | Path) -> frozenset[str]:
+    """Tensor names stored in an HF directory's safetensors files (headers only)."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_path).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors file in {str(model_path)!r}")
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            names.update(st.keys())
+    return frozenset(names)
+
+
+def read_checkpoint(model_path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory's safetensors files."""
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def check_names(state_dict: Mapping[str, Any], expected: frozenset[str], tied: bool) -> None:
+    """Raise ValueError when ``state_dict`` misses a checkpoint tensor or has an unknown one.
+
+    vLLM only warns about weights it did not load; a partial update would mix two
+    versions in one model, so it is refused here. ``lm_head.weight`` is accepted
+    (and ignored by vLLM) when the embeddings are tied; rotary caches are ignored.
+    """
+    names = {n for n in state_dict if "rotary_emb.inv_freq" not in n}
+    missing = sorted(expected - names)
+    unknown = sorted(names - expected - ({"lm_head.weight"} if tied else set()))
+    if missing or unknown:
+        raise ValueError(
+            f"state_dict does not match the engine's checkpoint: missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unknown {unknown[:5]}{' ...' if len(unknown) > 5 else ''}"
+        )
+
+
+def prepared(
+    state_dict: Mapping[str, Any], dtype: torch.dtype, round_to: torch.dtype | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` on CPU in the engine dtype; floating tensors first rounded to
+    ``round_to`` when the profile stores weights narrower than it computes (bf16
+    weights, fp32 matmuls). vLLM quantizes further (fp8, int8) inside its loader."""
+    for name, t in state_dict.items():
+        x = t.detach().to("cpu")
+        if x.is_floating_point():
+            if round_to is not None:
+                x = x.to(round_to)
+            x = x.to(dtype)
+        yield name, x
+
+
+def write_version_dir(
+    root: str | Path, version: int, state_dict: Mapping[str, Any], config_from: str | Path
+) -> Path:
+    """Write ``root/v{version}`` (safetensors + config) atomically and return it."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    final = root / f"v{version}"
+    if final.is_dir():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".v{version}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        seen: set[int] = set()
+        tensors: dict[str, torch.Tensor] = {}
+        for name, t in state_dict.items():
+            x = t.detach().to("cpu").contiguous()
+            if x.data_ptr() in seen:  # tied tensors share storage; safetensors refuses that
+                x = x.clone()
+            seen.add(x.data_ptr())
+            tensors[name] = x
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        for name in _CONFIG_FILES:
+            if (Path(config_from) / name).is_file():
+                shutil.copy2(Path(config_from) / name, tmp / name)
+        (tmp / "mixrl_version.json").write_text(json.dumps({"version": version}))
+        for f in tmp.iterdir():  # flush before the rename makes the version visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another writer published the same immutable version first
+            if not final.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def prune_versions(root: str | Path, keep: int = 2) -> None:
+    """Delete all but the ``keep`` newest ``root/v*`` directories."""
+    dirs = sorted(
+        (p for p in Path(root).glob("v*") if p.is_dir() and p.name[1:].isdigit()),
+        key=lambda p: int(p.name[1:]),
+    )
+    for p in dirs[: max(0, len(dirs) - keep)]:
+        shutil.rmtree(p, ignore_errors=True)
