@@ -200,7 +200,7 @@ class LossConfig(_Strict):
         default_factory=PGObjective, description="base objective (section 5)"
     )
     corrections: list[Correction] = Field(
-        default_factory=list, description="behaviour corrections (section 6)"
+        default_factory=list, max_length=7, description="behaviour corrections (section 6), composed"
     )
     score_centering: bool = Field(
         default=False, description="subtract E_q of the weighted score (section 7)"

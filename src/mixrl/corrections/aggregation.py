@@ -9,6 +9,9 @@ which never forms it; then k micro-batches with a shared D sum to one batch.
                              ``compute_loss`` scales token t by 1/L_i, L_i = Σ_{t∈i} loss_mask_t
     seq_mean_token_sum_norm  D = S · max_len = (#prompts) · G · max_len   (Dr. GRPO, arXiv 2503.20783)
 
+For ``seq_mean_token_mean`` L_i is counted inside ``compute_loss`` from the
+micro-batch, so a trajectory must not be split across micro-batches.
+
 Tokens removed by a behaviour correction (mask, veto, dropped sequence) and
 non-finite tokens still count in D and in L_i: a correction removes a token's
 gradient, it does not re-weight the tokens it keeps.
