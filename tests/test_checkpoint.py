@@ -121,3 +121,19 @@ def test_resave_same_step_and_empty_dir(tmp_path):
 def test_bad_part_names(tmp_path, name):
     with pytest.raises(ValueError, match="part name"):
         ck.save_checkpoint(tmp_path, 0, {name: 1})
+
+
+def test_part_that_weights_only_loading_would_reject_fails_at_save(tmp_path):
+    with pytest.raises(ValueError, match=r"orchestrator\['cursor'\] holds a int64"):
+        ck.save_checkpoint(tmp_path, 0, {"orchestrator": {"cursor": np.int64(3), "w": torch.ones(1)}})
+    assert ck.load_latest(tmp_path) is None
+
+
+def test_runtime_style_trainer_state_round_trips(tmp_path):
+    """Tuples (python RNG state), None and tensors in one part load back under weights_only."""
+    part = {"model": {"w": torch.ones(2)}, "master": None, "version": 3,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+    ck.save_checkpoint(tmp_path, 1, {"trainer": part, "format": 1, "cost": None})
+    got = ck.load_latest(tmp_path)
+    assert got["trainer"]["rng"]["python"] == random.getstate() and got["format"] == 1
+    assert got["cost"] is None and got["trainer"]["master"] is None

@@ -76,6 +76,25 @@ def _is_json(value: Any) -> bool:
         return False
 
 
+_LEAVES = (type(None), bool, int, float, str, torch.Tensor, torch.dtype, torch.device, torch.Size)
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Raise ``ValueError`` naming the path of a value ``weights_only`` loading would reject."""
+    if isinstance(value, _LEAVES):
+        return
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_plain(k, f"{where} key {k!r}")
+            _check_plain(v, f"{where}[{k!r}]")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]")
+    else:
+        raise ValueError(f"checkpoint part {where} holds a {type(value).__name__}; parts may hold "
+                         "tensors, numbers, strings, None and dicts/lists/tuples of them")
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -103,6 +122,10 @@ def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any], *, 
     for name in payload:
         if not _NAME.match(name) or name in RESERVED:
             raise ValueError(f"payload part name {name!r} must match [A-Za-z0-9_-]+ and not be one of {RESERVED}")
+    kinds = {name: "json" if _is_json(v) else "pt" for name, v in payload.items()}
+    for name, v in payload.items():
+        if kinds[name] == "pt":
+            _check_plain(v, name)  # fail now, not at resume time
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # left by a crashed writer
@@ -112,7 +135,7 @@ def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any], *, 
     try:
         parts = {}
         for name, value in {**payload, "rng": capture_rng()}.items():
-            kind = "json" if name != "rng" and _is_json(value) else "pt"
+            kind = kinds.get(name, "pt")
             _write(tmp / f"{name}.{kind}", value, kind)
             parts[name] = kind
         _write(tmp / "meta.json", {"step": step, "parts": parts, "created": time.time()}, "json")
