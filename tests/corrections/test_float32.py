@@ -27,7 +27,14 @@ def _cast(x: LossInputs, dtype: torch.dtype) -> tuple[LossInputs, list[torch.Ten
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_float32_matches_float64(name):
     p = get_preset(name)
-    b = make_batch(5, [4, 3, 4], vocab=12, mismatch=0.3, drift=0.05, top_p=0.9 if p.loss.support_replay else None)
+    b = make_batch(
+        5,
+        [4, 3, 4],
+        vocab=12,
+        mismatch=0.3,
+        drift=0.05,
+        top_p=0.9 if p.loss.support_replay else None,
+    )
     x = to_inputs(b, p.cand_kind, head_k=4)
     d = aggregation_denominator(p.loss.aggregation, x.loss_mask, x.seq_ids, x.num_seqs, max_len=4)
     out = {}
@@ -44,3 +51,12 @@ def test_float32_matches_float64(name):
             assert_close(a, e, kind="f32")
     for k in ("mismatch/kl_k3", "mismatch/tv", "corr/ess", "policy/entropy"):
         assert_close(m32[k], m64[k], kind="f32")
+
+
+def test_bfloat16_trainer_logprobs_are_promoted():
+    b = make_batch(2, [3, 3], vocab=8, mismatch=0.3)
+    x, leaves = _cast(to_inputs(b), torch.bfloat16)
+    loss, _ = compute_loss(x, get_preset("grpo+mis").loss, 6.0)
+    assert loss.dtype == torch.float32
+    (g,) = torch.autograd.grad(loss, leaves[0])
+    assert g.dtype == torch.bfloat16 and bool(torch.isfinite(g).all())

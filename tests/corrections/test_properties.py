@@ -241,7 +241,8 @@ def test_p6_sequence_ratio_in_log_space_matches_product(seed, lens, scale):
     prods = [math.prod(rho[ids == i].tolist()) for i in range(len(lens))]
     assert_close(torch.exp(log_seq), torch.tensor(prods, dtype=F64))
     assert_close(
-        torch.exp(log_geo), torch.tensor([p ** (1 / k) for p, k in zip(prods, lens, strict=True)], dtype=F64)
+        torch.exp(log_geo),
+        torch.tensor([p ** (1 / k) for p, k in zip(prods, lens, strict=True)], dtype=F64),
     )
 
 

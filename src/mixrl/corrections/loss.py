@@ -105,9 +105,10 @@ def compute_loss(
         valid &= pos_ok
     nonfinite = (inputs.loss_mask & ~valid).sum()
 
-    # finite copies, in the trainer's dtype; only lp carries the gradient
-    dt = lp_raw.dtype
-    lp = _zeros_where(valid, lp_raw)  # [N]
+    # finite copies, in float32 at least (a bf16 ratio would carry ~1e-2 of rounding,
+    # more than the mismatch being corrected); only lp carries the gradient
+    dt = torch.promote_types(lp_raw.dtype, torch.float32)
+    lp = _zeros_where(valid, lp_raw.to(dt))  # [N]
     old = _zeros_where(valid, inputs.old_logprobs.detach().to(dt))  # [N]
     lq = _zeros_where(valid, inputs.sampler_logprobs.detach().to(dt))  # [N]
     adv = _zeros_where(valid, inputs.advantages.detach().to(dt))  # [N]
