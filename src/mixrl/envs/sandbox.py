@@ -22,7 +22,7 @@ follow symlinks), and the disk check uses ``lstat``.
 
 Inside: ``/usr`` (and the ``/bin``, ``/lib*`` links) read-only, no ``/etc``
 and no ``/home`` or ``/root``, a private ``/proc`` (new pid namespace: no host
-process is visible), a minimal ``/dev``, size-capped tmpfs ``/tmp`` and
+process is visible), a minimal read-only ``/dev``, size-capped tmpfs ``/tmp`` and
 ``/dev/shm`` (per command), the root read-only, a clean environment, no
 capabilities, nested user namespaces disabled. The network namespace has only
 its own loopback, so neither external hosts nor the host's ``127.0.0.1`` or
@@ -248,10 +248,12 @@ class Sandbox:
             raise
 
     # -- running ------------------------------------------------------------------------
-    def _argv(self, inner: list[str], binds: list[tuple[str, str, bool]], cwd: str) -> list[str]:
+    def _argv(self, inner: list[str], binds: list[tuple[str, str, bool]], cwd: str) -> tuple[list[str], list[str]]:
+        """(bwrap options, command). The options travel through ``--args FD`` so that the
+        sandbox's pid 1 (bwrap's init) shows no host path in its ``/proc/1/cmdline``."""
         rt = _runtime()
         lim = self.limits
-        a = [rt.bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+        a = ["--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
              "--new-session", "--uid", str(INNER_UID), "--gid", str(INNER_UID), "--hostname", "sandbox",
              "--ro-bind", "/usr", "/usr"]
         for target, path in rt.links:
@@ -262,31 +264,47 @@ class Sandbox:
               "--size", str(lim.tmp_bytes), "--tmpfs", "/dev/shm"]
         for host, inside, writable in binds:
             a += ["--bind" if writable else "--ro-bind", host, inside]
-        a += ["--remount-ro", "/", "--chdir", cwd, "--clearenv"]
+        a += ["--remount-ro", "/dev", "--remount-ro", "/", "--chdir", cwd, "--clearenv"]
         env = {"PATH": "/opt/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8",
                "TERM": "dumb", "PYTHONPATH": PYSITE, "PYTHONDONTWRITEBYTECODE": "1", "USER": "sandbox"}
         for k, v in env.items():
             a += ["--setenv", k, v]
-        a += ["--json-status-fd", "{STATUS_FD}", "/usr/bin/prlimit", f"--cpu={lim.cpu_seconds}",
-              f"--as={lim.memory_bytes}", f"--nproc={lim.max_procs}", f"--fsize={lim.file_size_bytes}",
-              f"--nofile={lim.open_files}", "--core=0", "--"]
-        return a + inner
+        a += ["--json-status-fd", "{STATUS_FD}"]
+        limits = ["/usr/bin/prlimit", f"--cpu={lim.cpu_seconds}", f"--as={lim.memory_bytes}",
+                  f"--nproc={lim.max_procs}", f"--fsize={lim.file_size_bytes}", f"--nofile={lim.open_files}",
+                  "--core=0", "--"]
+        return a, limits + inner
 
     async def _exec(self, inner: list[str], binds: list[tuple[str, str, bool]], cwd: str,
                     timeout: float, cap: int) -> ExecResult:
         """Run ``inner`` in a fresh sandbox; raises ``SandboxError`` if bwrap could not start it."""
-        rfd, wfd = os.pipe()
-        argv = [str(wfd) if x == "{STATUS_FD}" else x for x in self._argv(inner, binds, cwd)]
-        extra = {"user": self.uid, "group": self.uid, "extra_groups": []} if self.uid is not None else {}
+        opts, command = self._argv(inner, binds, cwd)
+        rfd, wfd = os.pipe()  # bwrap's JSON status (child pid, namespaces, exit code)
+        args_r, args_w = os.pipe()  # bwrap's options, NUL-separated
+        data = b"".join(x.replace("{STATUS_FD}", str(wfd)).encode() + b"\0" for x in opts)
         try:
+            if len(data) > 60000:  # must fit in the pipe buffer: written before bwrap reads it
+                raise SandboxError(f"bwrap options too long ({len(data)} bytes)")
+            os.write(args_w, data)
+            os.close(args_w)
+            args_w = -1
+            extra = {"user": self.uid, "group": self.uid, "extra_groups": []} if self.uid is not None else {}
+            # env={}: bwrap's init (pid 1 inside) keeps bwrap's environment, readable in /proc/1/environ.
             proc = await asyncio.create_subprocess_exec(
-                *argv, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT, start_new_session=True, pass_fds=(wfd,), **extra)
+                _runtime().bwrap, "--args", str(args_r), *command, stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                pass_fds=(wfd, args_r), env={}, **extra)
         except OSError as e:
             os.close(rfd)
             raise SandboxError(f"cannot start bwrap: {e}") from e
+        except BaseException:
+            os.close(rfd)
+            raise
         finally:
             os.close(wfd)
+            os.close(args_r)
+            if args_w != -1:
+                os.close(args_w)
         kept = bytearray()
         total = 0
 
