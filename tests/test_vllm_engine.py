@@ -354,3 +354,73 @@ def test_closed_engine_is_a_replica_failure(model_dir: str) -> None:
     e.close()
     with pytest.raises(ReplicaFailure, match="closed"):
         e.generate_batch([GenerationRequest([5], SamplingParams(max_new_tokens=2))])
+
+
+SLOW = pytest.mark.skipif(
+    os.environ.get("MIXRL_SLOW") != "1",
+    reason="starts a second Python process with vLLM (~30-60 s on 2 cores); set MIXRL_SLOW=1",
+)
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@needs_vllm
+@SLOW
+def test_separate_engine_process_reloads_from_versioned_dir(model_dir: str, hf, tmp_path) -> None:
+    from mixrl.sampling.vllm_engine import VLLMEngine
+
+    wd = tmp_path / "weights"
+    e = VLLMEngine(
+        model_dir,
+        _profiles()["cpu-vllm-fp32"],
+        "proc",
+        max_batch=2,
+        max_context=32,
+        in_process=False,
+        weights_dir=str(wd),
+    )
+    try:
+        p = SamplingParams(max_new_tokens=8, seed=3, record="none", stop_ids=())
+        before = e.generate_batch([GenerationRequest(PROMPTS[0], p)])[0]
+        new = {k: v * 0.7 if v.dim() > 1 else v for k, v in hf.state_dict().items()}
+        e.load_weights(new, 2)
+        after = e.generate_batch([GenerationRequest(PROMPTS[0], p)])[0]
+        assert after.version == 2 and after.logprobs != before.logprobs
+        assert sorted(os.listdir(wd)) == ["v2"]
+    finally:
+        e.close()
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.vllm
+@needs_vllm
+@SLOW
+def test_engine_in_a_ray_actor(model_dir: str, hf) -> None:
+    ray = pytest.importorskip("ray")
+
+    class Replica:  # defined here so Ray pickles it by value (tests/ is not a package)
+        def __init__(self, path: str) -> None:
+            from mixrl.sampling.profiles import get_profile
+            from mixrl.sampling.vllm_engine import VLLMEngine, vllm_profiles_path
+
+            prof = get_profile("cpu-vllm-fp32", vllm_profiles_path())
+            self.e = VLLMEngine(path, prof, "ray-vllm", max_batch=2, max_context=32)
+
+        def generate(self, reqs):
+            return self.e.generate_batch(reqs)
+
+        def load(self, sd, version: int) -> float:
+            self.e.load_weights(sd, version)
+            return self.e.last_update_s
+
+    ray.init(num_cpus=1, include_dashboard=False, ignore_reinit_error=True)
+    try:
+        actor = ray.remote(num_cpus=1)(Replica).remote(model_dir)
+        p = SamplingParams(max_new_tokens=6, seed=2, record="head:3", stop_ids=())
+        out = ray.get(actor.generate.remote([GenerationRequest(PROMPTS[0], p)]))[0]
+        assert out.group == "ray-vllm" and len(out.token_ids) == 6 and out.cand_kind == "head"
+        assert ray.get(actor.load.remote(dict(hf.state_dict()), 4)) > 0
+        assert ray.get(actor.generate.remote([GenerationRequest(PROMPTS[0], p)]))[0].version == 4
+    finally:
+        ray.shutdown()

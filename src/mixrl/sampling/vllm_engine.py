@@ -433,3 +433,8 @@ def bench_vllm(
     from mixrl.sampling.vllm_bench import bench_vllm as run
 
     return run(model_path, prompts, params, **kw)
+
+
+def bench_fields(model_path: str, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
+    """The ``mixrl bench sampler`` hook: ``bench_vllm`` at temperature 1, whole vocabulary."""
+    return bench_vllm(model_path, prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, record="none"))
