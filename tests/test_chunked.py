@@ -180,8 +180,10 @@ def test_bf16_close_to_float32_and_grads_dtype(kind):
         torch.testing.assert_close(a.detach().float(), b.detach(), rtol=0.02, atol=0.03 * scale)
 
 
-def test_naive_helper_matches_chunked():
+@pytest.mark.parametrize("unit_t", [False, True])
+def test_naive_helper_matches_chunked(unit_t):
     h, w, b, y, t = make_problem(torch.float64)
+    t = 1.0 if unit_t else t
     a = naive_logprobs(h, w, y, bias=b, temperature=t)
     c = chunked_logprobs(h, w, y, bias=b, temperature=t, chunk_size=2)
     assert_close(a.logprobs, c.logprobs, torch.float64)

@@ -222,8 +222,11 @@ def naive_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Ten
                    temperature: float | Tensor = 1.0) -> TokenLogprobs:
     """Reference: full ``[N, V]`` logits and ``log_softmax`` (tests and benchmarks only)."""
     acc = torch.promote_types(hidden.dtype, torch.float32)
-    t = torch.as_tensor(temperature, dtype=acc, device=hidden.device).expand(hidden.shape[0])
-    logp = F.log_softmax(F.linear(hidden, weight, bias).to(acc) / t[:, None], dim=-1)  # [N, V]
+    logits = F.linear(hidden, weight, bias).to(acc)  # [N, V]
+    if not (isinstance(temperature, float | int) and temperature == 1):  # no extra [N, V] at T = 1
+        t = torch.as_tensor(temperature, dtype=acc, device=hidden.device).expand(hidden.shape[0])
+        logits = logits / t[:, None]
+    logp = F.log_softmax(logits, dim=-1)  # [N, V]
     with torch.no_grad():
         ent = -(logp.exp() * logp).sum(-1)
     lp = logp.gather(1, targets.long()[:, None]).squeeze(1)
