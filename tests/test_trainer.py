@@ -98,15 +98,16 @@ def grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("preset,kind", [("grpo", "none"), ("sc+mis+top-p", "support"), ("sc+mis", "head")])
-def test_gradient_matches_naive_reference(preset, kind):
+@pytest.mark.parametrize("preset,kind,temp", [("grpo", "none", 1.0), ("sc+mis+top-p", "support", 1.0),
+                                              ("sc+mis", "head", 1.0), ("sc+mis+top-p", "support", 0.7)])
+def test_gradient_matches_naive_reference(preset, kind, temp):
     cfg = get_preset(preset).loss
     trajs, adv = make_batch(6, kind)
     model = tiny_model(tie=kind != "head")
     ref_model = copy.deepcopy(model)
-    tr = Trainer(model, cfg, lr=1e-3, chunk_size=5)
+    tr = Trainer(model, cfg, lr=1e-3, chunk_size=5, temperature=temp)
     m = tr.backward(trajs, adv)
-    loss_ref, m_ref = naive_loss(ref_model, trajs, adv, cfg)
+    loss_ref, m_ref = naive_loss(ref_model, trajs, adv, cfg, temperature=temp)
     loss_ref.backward()
     assert m["loss"] == pytest.approx(float(loss_ref.detach()), rel=1e-5, abs=1e-7)
     g, g_ref = grads(model), grads(ref_model)
