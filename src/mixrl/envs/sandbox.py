@@ -326,7 +326,13 @@ class Sandbox:
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)  # bwrap; its pid namespace dies with it
-                await proc.wait()
+            # Drain to EOF: asyncio's wait() returns only once the pipe is closed, and an unread
+            # pipe (reading paused on a full buffer) would never report that.
+            try:
+                await asyncio.wait_for(_drain_and_wait(proc), 30)
+            except TimeoutError:
+                os.close(rfd)
+                raise SandboxError("sandbox did not exit 30 s after SIGKILL") from None
             status = await asyncio.to_thread(_read_all, rfd)
         docs = [json.loads(line) for line in status.splitlines() if line.strip().startswith("{")]
         info = {k: int(v) for d in docs for k, v in d.items() if isinstance(v, int)}
@@ -377,6 +383,13 @@ class Sandbox:
         if not self.closed:
             self.closed = True
             await asyncio.to_thread(_rmtree, self.root)
+
+
+async def _drain_and_wait(proc: asyncio.subprocess.Process) -> None:
+    assert proc.stdout is not None
+    while await proc.stdout.read(1 << 16):
+        pass
+    await proc.wait()
 
 
 def _read_all(fd: int) -> str:

@@ -18,11 +18,15 @@ might try, and why it does not count:
   regular files only, and the fresh copy gets nothing else;
 - results: a test counts only with an explicit ``passed`` for setup, call
   and teardown; a missing test, skip, xfail or crash is a failure, and the
-  results file has a random name in a directory outside ``/testbed``.
+  results file has a random name, passed through a file the runner deletes
+  before importing the code under test, in a directory outside ``/testbed``
+  that the sandbox can write but not list.
 
 Known limit (shared with SWE-bench): the code under test runs in the test
-process, so a patch whose *library code* rewrites pytest's reporting at
-import time is not caught here.
+process, so a patch whose *library code* rewrites pytest's reporting, or
+walks the runner's stack frames to find the results file, at import time is
+not caught here; one that merely exits (``os._exit(0)``) or forges a file it
+cannot name scores 0.
 
 Reward is 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test passed, else 0
 (including a patch that does not apply, a timeout, a crash). Our own
@@ -87,10 +91,17 @@ async def grade_patch(data: dict[str, Any], patch: str, limits: SandboxLimits | 
     gdir = tempfile.mkdtemp(prefix="mixrl-grade-")
     try:
         os.chmod(gdir, 0o755)
+        # Results: the sandbox may create files in /results but not list it (mode 0733, not its
+        # own, so no chmod); the file's random name waits in job.txt, which the runner deletes
+        # before any code under test is imported.
         results = os.path.join(gdir, "results")
-        os.mkdir(results, 0o700)
-        if sb.uid is not None:
-            os.chown(results, sb.uid, sb.uid)
+        os.mkdir(results)
+        os.chmod(results, 0o733 if sb.uid is not None else 0o700)
+        name = f"{secrets.token_hex(16)}.json"
+        job = os.path.join(results, "job.txt")
+        with open(job, "w") as f:
+            f.write(name)
+        os.chmod(job, 0o644)
         patch_file = os.path.join(gdir, "model.patch")
         with open(patch_file, "w") as f:
             f.write(patch)
@@ -102,10 +113,8 @@ async def grade_patch(data: dict[str, Any], patch: str, limits: SandboxLimits | 
                              binds=binds)
             if r.exit_code != 0:
                 return GradeResult(0.0, failed=need, reason="patch_failed", output=r.output[-2000:])
-        name = f"{secrets.token_hex(8)}.json"
         files = " ".join(shlex.quote(t) for t in data["test_files"])
-        r = await sb.run(f"python3 -I /opt/grader/pytest_runner.py /results/{name} /grader/tests {files}",
-                         binds=binds)
+        r = await sb.run(f"python3 -I /opt/grader/pytest_runner.py /results /grader/tests {files}", binds=binds)
         res = _read_results(os.path.join(results, name))
         if res is None or res.get("started") is not True:
             if r.timed_out:

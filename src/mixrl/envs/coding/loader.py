@@ -115,7 +115,7 @@ def _digest(d: Path) -> str:
 def materialize(d: Path, cache_root: str | None = None) -> tuple[str, str]:
     """(repo_dir, tests_dir) of instance ``d`` with suffixes stripped; cached by content hash."""
     root = Path(cache_root or tempfile.gettempdir()) / f"mixrl-coding-{os.geteuid()}"
-    root.mkdir(mode=0o755, exist_ok=True)
+    root.mkdir(mode=0o755, parents=True, exist_ok=True)
     st = os.lstat(root)
     if not os.path.isdir(root) or os.path.islink(root) or st.st_uid != os.geteuid():
         raise _fail(d, f"cache directory {root} is not ours; pass cache_root")

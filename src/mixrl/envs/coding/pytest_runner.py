@@ -1,6 +1,6 @@
 """The grading test runner; runs *inside* the grading sandbox as a script.
 
-    python3 -I /opt/grader/pytest_runner.py RESULTS TESTS_DIR TEST_FILE...
+    python3 -I /opt/grader/pytest_runner.py RESULTS_DIR TESTS_DIR TEST_FILE...
 
 Started with ``-I`` (no current directory on ``sys.path``, no ``PYTHON*``
 variables, no user site), so nothing under ``/testbed`` can shadow pytest,
@@ -9,8 +9,10 @@ its plugins or the standard library. Steps:
 1. restore every task test file from ``TESTS_DIR`` over ``/testbed`` (a
    symlink or file standing where a parent directory belongs is removed
    first, so the restored file is the file pytest reads);
-2. import pytest (from ``/opt/pysite``), then write ``{"started": true}`` to
-   ``RESULTS`` — a runner that never gets this far failed on our side;
+2. read the results file name from ``RESULTS_DIR/job.txt`` and delete it
+   (the directory is not listable: code under test cannot find the name),
+   import pytest (from ``/opt/pysite``), then write ``{"started": true}`` to
+   the results file — a runner that never gets this far failed on our side;
 3. append ``/testbed`` to ``sys.path`` (after the standard library and
    pytest: the code under test cannot shadow them) and run pytest on the test
    files with our own ini file in a fresh ``/tmp`` (the repository's
@@ -80,7 +82,11 @@ class _Collector:
 
 
 def main(argv: list[str]) -> int:
-    results, tests_dir, test_files = argv[0], argv[1], argv[2:]
+    results_dir, tests_dir, test_files = argv[0], argv[1], argv[2:]
+    job = os.path.join(results_dir, "job.txt")
+    with open(job) as f:
+        results = os.path.join(results_dir, os.path.basename(f.read().strip()))
+    os.remove(job)
     for rel in test_files:
         _restore(tests_dir, rel)
     sys.path.insert(1, PYSITE)
