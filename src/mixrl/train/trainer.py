@@ -102,6 +102,7 @@ class Trainer:
         self.master = [p.detach().float().clone() for p in self.params] if precision == "bf16" else None
         opt_params = self.master if self.master is not None else self.params
         self.optimizer = torch.optim.AdamW(opt_params, lr=lr, weight_decay=weight_decay)
+        self.device = self.params[0].device if self.params else torch.device("cpu")
 
     # ------------------------------------------------------------------ forward
 
@@ -122,7 +123,8 @@ class Trainer:
         kind, n = self.cand_kind, lp.shape[0]
         return LossInputs(
             trainer_logprobs=lp, old_logprobs=old, sampler_logprobs=tb.sampler_logprobs,
-            advantages=tb.advantages, loss_mask=torch.ones(n, dtype=torch.bool), seq_ids=tb.seq_ids,
+            advantages=tb.advantages, loss_mask=torch.ones(n, dtype=torch.bool, device=lp.device),
+            seq_ids=tb.seq_ids,
             num_seqs=tb.num_seqs, cand_kind=kind,
             cand_offsets=tb.cand_offsets if kind != "none" else None,
             cand_trainer_logprobs=clp if kind != "none" else None,
@@ -161,7 +163,7 @@ class Trainer:
         loss_sum, n_micro = 0.0, 0
         metrics: dict[str, float] = {}
         for mb in self._micro(mini):
-            tb = collate(mb, self.pad_id)
+            tb = collate(mb, self.pad_id).to(self.device)
             out = self._forward(tb)
             old = tb.old_logprobs if decoupled else out.logprobs.detach()
             cold = tb.cand_old_logprobs if decoupled else out.cand_logprobs.detach()
@@ -221,7 +223,7 @@ class Trainer:
             if decoupled:  # p_old fixed at θ_old for every epoch and minibatch
                 with torch.no_grad():
                     for mb in self._micro(records):
-                        out = self._forward(collate(mb, self.pad_id))
+                        out = self._forward(collate(mb, self.pad_id).to(self.device))
                         self._store(mb, out, "old_logprobs", "cand_old_logprobs")
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.version)
             loss0, n_micro = 0.0, 0
@@ -247,7 +249,7 @@ class Trainer:
 
     def _batch_metrics(self, records: list[Record], stats: BatchStats, mode: str,
                        G: int | None, max_len: int | None) -> dict[str, float]:
-        tb = collate(records, self.pad_id)
+        tb = collate(records, self.pad_id).to(self.device)
         assert tb.trainer_logprobs is not None and tb.old_logprobs is not None
         assert tb.cand_trainer_logprobs is not None and tb.cand_old_logprobs is not None
         with torch.no_grad():
