@@ -424,3 +424,26 @@ def test_engine_in_a_ray_actor(model_dir: str, hf) -> None:
         assert ray.get(actor.generate.remote([GenerationRequest(PROMPTS[0], p)]))[0].version == 4
     finally:
         ray.shutdown()
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_start_up_failure_is_a_clear_replica_failure(model_dir: str, tmp_path) -> None:
+    """A checkpoint whose tensors do not fit its config fails inside vLLM's loader."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mixrl.sampling.vllm_engine import VLLMEngine, VLLMStartupError
+
+    bad = tmp_path / "bad"
+    shutil.copytree(model_dir, bad)
+    sd = load_file(str(bad / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj.weight"
+    sd[name] = sd[name][:, :-8].contiguous()  # [64, 120] where the config says [64, 128]
+    save_file(sd, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(
+        VLLMStartupError, match=r"group 'g' \(profile 'cpu-vllm-fp32'.*failed to start"
+    ) as ei:
+        VLLMEngine(str(bad), _profiles()["cpu-vllm-fp32"], "g", max_batch=2, max_context=32)
+    assert isinstance(ei.value, ReplicaFailure)

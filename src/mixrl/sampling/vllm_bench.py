@@ -12,13 +12,16 @@
   top-p (``sample.sampling_logprobs``) in float64 — the trainer's side of the
   off-policy ratio;
 - ``vllm_weight_update_s``: one in-place ``load_weights`` of the same weights;
-- ``vllm_startup_s``, ``vllm_tokens``, ``vllm_generate_s``.
+- ``vllm_startup_s``, ``vllm_tokens``, ``vllm_generate_s`` and ``vllm_generate_cpu_s``
+  (CPU seconds the process spent in the timed batch: on a shared machine,
+  ``vllm_tokens / vllm_generate_cpu_s`` is the steadier figure).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
@@ -49,12 +52,14 @@ def hf_logprobs(
     return res
 
 
+def abs_errs(outs: list[GenerationResult], ref: list[list[float]]) -> list[float]:
+    """|log q_engine - log q_ref| of every generated token, request by request."""
+    pairs = [zip(o.logprobs, r, strict=True) for o, r in zip(outs, ref, strict=True)]
+    return [abs(a - b) for pr in pairs for a, b in pr]
+
+
 def max_abs_err(outs: list[GenerationResult], ref: list[list[float]]) -> float:
-    errs = [
-        abs(a - b)
-        for o, r in zip(outs, ref, strict=True)
-        for a, b in zip(o.logprobs, r, strict=True)
-    ]
+    errs = abs_errs(outs, ref)
     return max(errs) if errs else float("nan")
 
 
@@ -90,23 +95,58 @@ def bench_vllm(
             GenerationRequest(list(p), params, request_id=f"bench-{i}")
             for i, p in enumerate(prompts)
         ]
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         outs = eng.generate_batch(reqs)
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         bad = [o.error for o in outs if o.finish_reason not in ("stop", "length")]
         if bad:
             raise RuntimeError(f"bench_vllm: {len(bad)} requests failed, first: {bad[0]}")
         hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
-        err = max_abs_err(outs, hf_logprobs(hf, prompts, outs, [params] * len(prompts)))
+        errs = abs_errs(outs, hf_logprobs(hf, prompts, outs, [params] * len(prompts)))
         eng.load_weights(hf.state_dict(), 1)
         ntok = sum(len(o.token_ids) for o in outs)
         return {
             "vllm_tok_s": ntok / dt,
-            "vllm_logprob_max_abs_err_fp32": err,
+            "vllm_logprob_max_abs_err_fp32": max(errs),
+            "vllm_logprob_mean_abs_err_fp32": sum(errs) / len(errs),
             "vllm_weight_update_s": eng.last_update_s,
             "vllm_startup_s": startup,
             "vllm_tokens": float(ntok),
             "vllm_generate_s": dt,
+            "vllm_generate_cpu_s": cpu,  # CPU seconds of this process: robust to a busy machine
         }
     finally:
         eng.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mixrl.sampling.vllm_bench --model bundled --profiles cpu-vllm-fp32,cpu-vllm-bf16``"""
+    import argparse
+    import json
+
+    import torch
+
+    ap = argparse.ArgumentParser(description="vLLM sampler figures on one model (see module doc)")
+    ap.add_argument("--model", default="bundled", help="HF directory or 'bundled'")
+    ap.add_argument("--profiles", default="cpu-vllm-fp32", help="comma-separated vLLM profiles")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    from mixrl.models.policy import resolve
+
+    path = str(resolve(a.model))
+    vocab = json.loads((Path(path) / "config.json").read_text())["vocab_size"]
+    g = torch.Generator().manual_seed(a.seed)
+    prompts = torch.randint(0, vocab, (a.batch, a.prompt_len), generator=g).tolist()
+    params = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, record="none")
+    for name in a.profiles.split(","):
+        res = bench_vllm(path, prompts, params, profile=name, num_threads=a.threads, seed=a.seed)
+        print(json.dumps({"profile": name, **{k: round(v, 9) for k, v in res.items()}}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
