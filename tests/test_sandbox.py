@@ -302,7 +302,7 @@ def test_infinite_loop_wall_and_cpu(repo):  # type: ignore[no-untyped-def]
     r = arun(_one(repo, "python3 -c 'while True: pass'", timeout=30, cpu_seconds=1))
     dt = time.perf_counter() - t0
     record("infinite loop (cpu)", "RLIMIT_CPU 1 s", not r.timed_out and r.killed_by in ("SIGXCPU", "SIGKILL")
-           and dt < 10, f"{r.killed_by} after {dt:.1f}s")
+           and dt < 25, f"{r.killed_by} after {dt:.1f}s")
 
 
 def test_background_process_dies_with_command(repo):  # type: ignore[no-untyped-def]

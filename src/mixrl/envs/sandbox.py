@@ -73,6 +73,7 @@ WORKDIR = "/testbed"  # the repository inside the sandbox
 PYSITE = "/opt/pysite"  # pytest and its dependencies, read only
 PYTEST_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py", "exceptiongroup", "tomli")
 # Never part of an episode's diff: caches the model's own runs leave behind.
+SMALL_TREE = 2000  # entries up to which copies, size checks and cleanup run inline
 DIFF_EXCLUDES = ("__pycache__", "*.pyc", ".pytest_cache", ".git", ".hypothesis", "*.egg-info")
 
 
@@ -178,14 +179,21 @@ def _signal_name(code: int) -> str | None:
     return None
 
 
-def _tree_bytes(root: str) -> int:
-    """Bytes under ``root`` by lstat (never follows a symlink the model made)."""
-    total = 0
+def _tree_size(root: str) -> tuple[int, int]:
+    """(bytes, entries) under ``root`` by lstat (never follows a symlink the model made)."""
+    total = entries = 0
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
         for n in filenames + dirnames:
+            entries += 1
             with contextlib.suppress(OSError):  # vanished or unreadable: not counted
                 total += os.lstat(os.path.join(dirpath, n)).st_blocks * 512
-    return total
+    return total, entries
+
+
+async def _maybe_thread(small: bool, fn, *args):  # type: ignore[no-untyped-def]
+    """Run ``fn`` inline when the tree is small (a thread hop costs more than the work under
+    load), else in a worker thread so a large tree does not stall the event loop."""
+    return fn(*args) if small else await asyncio.to_thread(fn, *args)
 
 
 def _rmtree(path: str) -> None:
@@ -210,6 +218,7 @@ class Sandbox:
         self.limits = limits
         self.uid = uid  # host uid bwrap runs as (None: ours)
         self.closed = False
+        self._entries = 0  # entries in work/ after the last command (how to clean up)
 
     @classmethod
     async def create(cls, repo_dir: str | os.PathLike[str], limits: SandboxLimits | None = None,
@@ -221,7 +230,8 @@ class Sandbox:
         if not src.is_dir():
             raise SandboxError(f"Sandbox.create: repo_dir {str(src)!r} is not a directory")
         uid = SANDBOX_UID if os.geteuid() == 0 else None
-        return await asyncio.to_thread(cls._prepare, str(src), limits, uid, tmp_root)
+        small = sum(len(d) + len(f) for _, d, f in os.walk(src)) <= SMALL_TREE
+        return await _maybe_thread(small, cls._prepare, str(src), limits, uid, tmp_root)
 
     @classmethod
     def _prepare(cls, src: str, limits: SandboxLimits, uid: int | None, tmp_root: str | None) -> Sandbox:
@@ -270,7 +280,7 @@ class Sandbox:
         for k, v in env.items():
             a += ["--setenv", k, v]
         a += ["--json-status-fd", "{STATUS_FD}"]
-        limits = ["/usr/bin/prlimit", f"--cpu={lim.cpu_seconds}", f"--as={lim.memory_bytes}",
+        limits = ["/usr/bin/prlimit", f"--cpu={lim.cpu_seconds}:{lim.cpu_seconds + 1}", f"--as={lim.memory_bytes}",
                   f"--nproc={lim.max_procs}", f"--fsize={lim.file_size_bytes}", f"--nofile={lim.open_files}",
                   "--core=0", "--"]
         return a, limits + inner
@@ -333,7 +343,7 @@ class Sandbox:
             except TimeoutError:
                 os.close(rfd)
                 raise SandboxError("sandbox did not exit 30 s after SIGKILL") from None
-            status = await asyncio.to_thread(_read_all, rfd)
+            status = _read_available(rfd)
         docs = [json.loads(line) for line in status.splitlines() if line.strip().startswith("{")]
         info = {k: int(v) for d in docs for k, v in d.items() if isinstance(v, int)}
         text = kept.decode("utf-8", errors="replace")
@@ -356,7 +366,8 @@ class Sandbox:
         t = self.limits.wall_seconds if timeout is None else float(timeout)
         res = await self._exec(["/bin/bash", "-c", cmd], [(self.work, WORKDIR, True), *binds], WORKDIR, t,
                                self.limits.output_bytes)
-        if await asyncio.to_thread(_tree_bytes, self.work) > self.limits.disk_bytes:
+        size, self._entries = await _maybe_thread(self._entries <= SMALL_TREE, _tree_size, self.work)
+        if size > self.limits.disk_bytes:
             res.killed_by = "disk"
         return res
 
@@ -382,7 +393,7 @@ class Sandbox:
     async def close(self) -> None:
         if not self.closed:
             self.closed = True
-            await asyncio.to_thread(_rmtree, self.root)
+            await _maybe_thread(self._entries <= SMALL_TREE, _rmtree, self.root)
 
 
 async def _drain_and_wait(proc: asyncio.subprocess.Process) -> None:
@@ -392,10 +403,20 @@ async def _drain_and_wait(proc: asyncio.subprocess.Process) -> None:
     await proc.wait()
 
 
-def _read_all(fd: int) -> str:
+def _read_available(fd: int) -> str:
+    """bwrap's status lines, read without blocking: once bwrap has exited they are all in the
+    pipe (after a kill its init may hold the pipe a moment longer; we only miss the exit code,
+    which a killed command does not have)."""
+    os.set_blocking(fd, False)
     chunks = []
     try:
-        while b := os.read(fd, 1 << 16):
+        while True:
+            try:
+                b = os.read(fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not b:
+                break
             chunks.append(b)
     finally:
         os.close(fd)
