@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mixrl.envs import calc, reverse
+from mixrl.envs import calc, reverse, upper
 from mixrl.envs.base import Task
 from mixrl.envs.chat import ChatFormat
 from mixrl.envs.registry import make_env, make_task_source, register_family
@@ -182,8 +182,9 @@ def test_garbage_never_raises(chat: ChatFormat) -> None:
     rng = random.Random(1)
     vocab = list(range(len(chat.tokenizer)))
     for i in range(300):
-        fam = [calc.CalcEnv(_task(), chat, max_turns=3), reverse.ReverseEnv(reverse.make_task(0, "train", i), chat)]
-        env = fam[i % 2]
+        fam = [calc.CalcEnv(_task(), chat, max_turns=3), reverse.ReverseEnv(reverse.make_task(0, "train", i), chat),
+               upper.UpperEnv(upper.make_task(0, "train", i), chat)]
+        env = fam[i % 3]
         run(env.reset())
         for _ in range(4):
             ids = [rng.choice(vocab) for _ in range(rng.randint(0, 30))]
@@ -197,7 +198,7 @@ def test_garbage_never_raises(chat: ChatFormat) -> None:
 
 
 def test_task_generators_are_seeded_and_splits_disjoint() -> None:
-    for fam, key in (("calc", "expr"), ("reverse", "word")):
+    for fam, key in (("calc", "expr"), ("reverse", "word"), ("upper", "word")):
         tr = make_task_source(fam, "train", seed=3)
         ho = make_task_source(fam, "heldout", seed=3)
         train_keys = {tr[i].data[key] for i in range(3000)}
@@ -214,7 +215,7 @@ def test_task_generators_are_seeded_and_splits_disjoint() -> None:
 def test_task_source_cursor_save_restore() -> None:
     a = make_task_source("mix", "train", seed=0)
     first = [a.next() for _ in range(5)]
-    assert [t.family for t in first] == ["calc", "reverse", "calc", "reverse", "calc"]
+    assert [t.family for t in first] == ["calc", "upper", "calc", "upper", "calc"]
     state = a.state_dict()
     nxt = [a.next() for _ in range(3)]
     b = make_task_source("mix", "train", seed=0)
@@ -254,6 +255,21 @@ def test_reverse_env(chat: ChatFormat) -> None:
     assert (s.done, s.reward, s.status) == (True, 0.0, "ok")
     s = _step(env, chat, t.data["answer"])
     assert (s.done, s.reward, s.status) == (True, 0.0, "format_error")
+
+
+def test_upper_env(chat: ChatFormat) -> None:
+    t = upper.make_task(0, "heldout", 3)
+    assert t.data["answer"] == t.data["word"].upper() and t.split == "heldout"
+    env = upper.UpperEnv(t, chat)
+    assert chat.decode(run(env.reset())) == f"<|user|>Uppercase: {t.data['word']}<|end|><|assistant|>"
+    s = _step(env, chat, f"<answer>{t.data['answer']}</answer>")
+    assert (s.done, s.reward, s.status) == (True, 1.0, "ok")
+    s = _step(env, chat, f"<answer>{t.data['word']}</answer>")
+    assert (s.done, s.reward, s.status) == (True, 0.0, "ok")
+    s = _step(env, chat, f"<answer>{t.data['answer']}", stop=False)
+    assert (s.done, s.reward, s.status, s.tokens) == (True, 0.0, "format_error", [chat.end_of_turn_id])
+    demo = upper.demo_turns(t, random.Random(0), "slip")[0][1]
+    assert demo != f"<answer>{t.data['answer']}</answer>" and demo.upper() == f"<answer>{t.data['answer']}</answer>".upper()
 
 
 def test_demonstrations_follow_the_env(chat: ChatFormat) -> None:

@@ -5,8 +5,11 @@
     env = make_env(task, ChatFormat(tokenizer), max_turns=4)
     state = src.state_dict(); src.load_state_dict(state)  # checkpoint / resume
 
-Bundled families: ``calc`` (multi-turn, calculator tool), ``reverse``
-(single-turn); ``mix`` interleaves them (even indices calc, odd reverse).
+Bundled families: ``calc`` (multi-turn, calculator tool), ``upper``
+(single-turn, uppercase a word) and ``reverse`` (single-turn, reverse a word;
+not in the warm start, so the bundled policy does not solve it: a
+throughput/comparison task); ``mix`` interleaves calc and upper (even indices
+calc, odd upper).
 
 Adding a family (the hook ``envs/coding`` uses): call
 
@@ -27,7 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from mixrl.envs import calc, reverse
+from mixrl.envs import calc, reverse, upper
 from mixrl.envs.base import Env, Task
 from mixrl.envs.chat import ChatFormat
 
@@ -45,7 +48,7 @@ class Family:
 
 FAMILIES: dict[str, Family] = {}
 LAZY_FAMILIES: dict[str, str] = {"coding": "mixrl.envs.coding"}
-MIXES: dict[str, tuple[str, ...]] = {"mix": ("calc", "reverse")}
+MIXES: dict[str, tuple[str, ...]] = {"mix": ("calc", "upper")}
 
 
 def register_family(
@@ -59,6 +62,7 @@ def register_family(
 
 
 register_family("calc", calc.make_task, calc.CalcEnv, heldout_size=200)
+register_family("upper", upper.make_task, upper.UpperEnv, heldout_size=200)
 register_family("reverse", reverse.make_task, reverse.ReverseEnv, heldout_size=200)
 
 

@@ -1,0 +1,68 @@
+"""Single-turn uppercasing (family ``"upper"``).
+
+    user:      Uppercase: kqzt
+    assistant: <answer>KQZT</answer>
+
+One reply ends the episode: with ``<answer>X</answer>`` the status is ``ok``
+and the reward 1 if X is exactly the uppercased word, else 0; a reply without
+a complete answer tag ends with ``format_error`` (reward 0). No tools, one
+turn: the single-turn family of the bundled ``mix``, learnable by the small
+policy (a character map at a fixed offset), unlike ``reverse``.
+
+Words are 3-7 lowercase letters; the split of a word is a hash of its text
+(``calc.split_of``), so train and held-out words never overlap.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import string
+
+from mixrl.envs.base import Env, StepResult, Task
+from mixrl.envs.calc import split_of
+from mixrl.envs.chat import ChatFormat
+
+_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+
+
+def make_task(seed: int, split: str, index: int) -> Task:
+    """Task ``index`` of ``split``: deterministic in (seed, split, index)."""
+    rng = random.Random(f"upper/{seed}/{split}/{index}")
+    while True:
+        w = "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 7)))
+        if split_of("upper:" + w) == split:
+            break
+    data = {"question": f"Uppercase: {w}", "word": w, "answer": w.upper()}
+    return Task(prompt_id=f"upper/{split}/s{seed}/{index}", family="upper", split=split, data=data)
+
+
+class UpperEnv(Env):
+    """One single-turn episode."""
+
+    def __init__(self, task: Task, chat: ChatFormat) -> None:
+        self.task = task
+        self.chat = chat
+        self.stop_ids = chat.stop_ids
+
+    async def reset(self) -> list[int]:
+        return self.chat.prompt(self.task.data["question"])
+
+    async def step(self, generated: list[int], finish_reason: str) -> StepResult:
+        close = [] if generated and generated[-1] in self.stop_ids else [self.chat.end_of_turn_id]
+        m = _ANSWER.search(self.chat.reply_text(generated))
+        if m is None:
+            return StepResult(close, True, 0.0, "format_error")
+        ok = m.group(1).strip() == self.task.data["answer"]
+        return StepResult(close, True, 1.0 if ok else 0.0, "ok", info={"answer": m.group(1)[:32]})
+
+
+def demo_turns(task: Task, rng: random.Random, style: str) -> list[tuple[str, str]]:
+    """Demonstration: ``correct`` or ``slip`` (one letter left lowercase: imperfect)."""
+    a = task.data["answer"]
+    if style == "slip":
+        j = rng.randrange(len(a))
+        a = a[:j] + a[j].lower() + a[j + 1 :]
+    elif style != "correct":
+        raise ValueError(f"upper.demo_turns: unknown style {style!r}")
+    return [("assistant", f"<answer>{a}</answer>")]

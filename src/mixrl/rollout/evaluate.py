@@ -1,0 +1,183 @@
+"""``mixrl eval CHECKPOINT --k 4``: pass@k of a policy on the held-out split.
+
+CHECKPOINT is an HF model directory or ``"bundled"``. Each held-out task is
+sampled ``n`` times (default ``n = k``) at temperature 1 through the built-in
+engine, in the trainer's precision (profile ``fp32``; ``--precision bf16``
+uses ``bf16``; ``--profile`` names any other), each sample a full episode
+through the session runner. pass@k is the unbiased estimator of
+``rollout/passk.py``; a sample counts as correct when its reward is >= 1.
+
+Infrastructure failures (``infra_failed``) are not failures of the model:
+they are left out of each task's n and reported; a task left with fewer than
+k valid samples is left out of pass@k and counted in ``tasks_incomplete``.
+
+The runtime calls ``evaluate(...)`` for the final held-out evaluation; the
+command prints a table, or one JSON object with ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+PRECISIONS = {"fp32": "fp32", "bf16": "bf16"}
+
+
+def _tokenizer_for(path: Path) -> Any:
+    """The checkpoint's tokenizer; the bundled one if the directory has none but matches it."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError):
+        from mixrl.models.tokenizer import build_tokenizer
+
+        tok = build_tokenizer()
+        if AutoConfig.from_pretrained(str(path)).vocab_size != len(tok):
+            raise ValueError(f"checkpoint {str(path)!r} has no tokenizer and is not the bundled vocabulary") from None
+        return tok
+
+
+def summarize(by_task: dict[str, list[Any]], k: int) -> dict[str, Any]:
+    """pass@1, pass@k and counts from trajectories grouped by task.
+
+    ``infra_failed`` samples are dropped from a task's n; tasks with fewer
+    than k valid samples are left out of pass@k (``tasks_incomplete``).
+    """
+    from mixrl.rollout.passk import mean_pass_at_k
+
+    counts, incomplete = [], 0
+    for trs in by_task.values():
+        valid = [tr for tr in trs if tr.status != "infra_failed"]
+        if len(valid) < k:
+            incomplete += 1
+            continue
+        counts.append((len(valid), sum(1 for tr in valid if (tr.reward or 0.0) >= 1.0)))
+    rows = [tr for trs in by_task.values() for tr in trs]
+    rewards = [tr.reward for tr in rows if tr.reward is not None]
+    return {
+        "pass@1": mean_pass_at_k(counts, 1) if counts else float("nan"),
+        f"pass@{k}": mean_pass_at_k(counts, k) if counts else float("nan"),
+        "n_tasks": len(counts),
+        "mean_reward": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "status": dict(Counter(tr.status for tr in rows)),
+        "infra_failed": sum(tr.status == "infra_failed" for tr in rows),
+        "tasks_incomplete": incomplete,
+        "mean_turns": sum(tr.turns for tr in rows) / max(1, len(rows)),
+        "mean_generated": sum(tr.num_generated for tr in rows) / max(1, len(rows)),
+    }
+
+
+def evaluate(
+    model_path: str | Path = "bundled",
+    k: int = 4,
+    n: int | None = None,
+    n_tasks: int | None = None,
+    seed: int = 0,
+    *,
+    task: str = "mix",
+    precision: str = "fp32",
+    profile: str | None = None,
+    temperature: float = 1.0,
+    max_new_tokens: int = 32,
+    max_total_tokens: int = 256,
+    max_turns: int = 4,
+    max_batch: int = 64,
+    num_threads: int | None = None,
+) -> dict[str, Any]:
+    """pass@1 and pass@k of ``model_path`` on ``n_tasks`` held-out tasks of ``task``.
+
+    Returns a dict with ``pass@1``, ``pass@<k>``, ``n_tasks``, ``n``, ``k``,
+    ``mean_reward``, ``status`` counts, ``infra_failed``, ``tasks_incomplete``,
+    ``per_family`` (the same metrics per family) and ``wall_s``.
+    """
+    from mixrl.envs.chat import ChatFormat
+    from mixrl.envs.registry import make_env, make_task_source
+    from mixrl.models.policy import resolve
+    from mixrl.rollout.session import run_episode
+    from mixrl.sampling.base import SamplingParams
+    from mixrl.sampling.batching import BatchingSampler
+    from mixrl.sampling.factory import make_engine
+
+    n = k if n is None else n
+    if k < 1 or n < k:
+        raise ValueError(f"evaluate: need 1 <= k <= n, got k={k}, n={n}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"evaluate: precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    prof = profile or PRECISIONS[precision]
+    t0 = time.perf_counter()
+    path = resolve(model_path)
+    chat = ChatFormat(_tokenizer_for(path))
+    src = make_task_source(task, "heldout", seed)
+    n_tasks = len(src) if n_tasks is None else n_tasks
+    if not 1 <= n_tasks <= len(src):
+        raise ValueError(f"evaluate: n_tasks must be in [1, {len(src)}] for {task!r}, got {n_tasks}")
+    tasks = [src[i] for i in range(n_tasks)]
+    engine = make_engine(str(path), prof, prof, seed=seed, max_batch=max_batch, num_threads=num_threads)
+    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, record="none")
+
+    async def run_all() -> list[Any]:
+        sampler = BatchingSampler(engine, max_batch=max_batch)
+        try:
+            coros = [
+                run_episode(make_env(t, chat, max_turns=max_turns), sampler.generate, params,
+                            prompt_id=t.prompt_id, sample_idx=j, max_total_tokens=max_total_tokens)
+                for t in tasks for j in range(n)
+            ]
+            return list(await asyncio.gather(*coros))
+        finally:
+            await sampler.close()
+
+    trajs = asyncio.run(run_all())
+    by_task: dict[str, list[Any]] = defaultdict(list)
+    for tr in trajs:
+        by_task[tr.prompt_id].append(tr)
+    family = {t.prompt_id: t.family for t in tasks}
+
+    res = summarize(by_task, k)
+    fams = sorted(set(family.values()))
+    res["per_family"] = {f: summarize({p: v for p, v in by_task.items() if family[p] == f}, k) for f in fams}
+    res.update({"n": n, "k": k, "task": task, "model": str(path), "profile": prof, "seed": seed,
+                "wall_s": time.perf_counter() - t0})
+    return res
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help='an HF model directory, or "bundled"')
+    parser.add_argument("--k", type=int, default=4, help="k of pass@k (default 4)")
+    parser.add_argument("--n", type=int, default=None, help="samples per task (default k; >= k)")
+    parser.add_argument("--tasks", type=int, default=None, help="held-out tasks (default all)")
+    parser.add_argument("--task", default="mix", help="task family or mix (default mix)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
+    parser.add_argument("--profile", default=None, help="sampler profile name (overrides --precision)")
+    parser.add_argument("--max-new-tokens", type=int, default=32, help="per assistant turn")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        res = evaluate(args.checkpoint, args.k, args.n, args.tasks, args.seed, task=args.task,
+                       precision=args.precision, profile=args.profile,
+                       max_new_tokens=args.max_new_tokens, num_threads=args.threads)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"mixrl eval: {e}")
+        return 2
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    k = res["k"]
+    print(f"{res['model']}  profile {res['profile']}  n={res['n']}  seed {res['seed']}  "
+          f"{res['wall_s']:.1f}s")
+    print(f"{'family':<10}{'tasks':>7}{'pass@1':>9}{f'pass@{k}':>9}{'reward':>9}{'turns':>7}  status")
+    rows = [(f, r) for f, r in res["per_family"].items()] + [("all", res)]
+    for name, r in rows:
+        print(f"{name:<10}{r['n_tasks']:>7}{r['pass@1']:>9.3f}{r[f'pass@{k}']:>9.3f}"
+              f"{r['mean_reward']:>9.3f}{r['mean_turns']:>7.2f}  {r['status']}")
+    return 0

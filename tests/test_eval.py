@@ -1,0 +1,106 @@
+"""pass@k aggregation, and `mixrl eval` / the session runner on the real built-in engine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+
+import pytest
+
+from mixrl.rollout.evaluate import summarize
+from mixrl.rollout.types import Trajectory
+
+
+def _tr(pid: str, reward: float | None, status: str = "ok") -> Trajectory:
+    return Trajectory(prompt_id=pid, sample_idx=0, reward=reward, status=status)
+
+
+def test_summarize_hand_values() -> None:
+    by_task = {
+        "a": [_tr("a", 1.0), _tr("a", 0.0), _tr("a", 0.0), _tr("a", 0.0)],
+        "b": [_tr("b", None, "infra_failed"), _tr("b", 0.0, "format_error"), _tr("b", 0.0), _tr("b", 1.0)],
+    }
+    r = summarize(by_task, 2)
+    # a: n=4, c=1: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2
+    # b: infra_failed dropped -> n=3, c=1: pass@1 = 1/3, pass@2 = 1 - C(2,2)/C(3,2) = 2/3
+    assert r["pass@1"] == pytest.approx((1 / 4 + 1 / 3) / 2)
+    assert r["pass@2"] == pytest.approx((1 / 2 + 2 / 3) / 2)
+    assert (r["n_tasks"], r["infra_failed"], r["tasks_incomplete"]) == (2, 1, 0)
+    assert r["mean_reward"] == pytest.approx(2 / 7)  # infra_failed is not a reward of 0
+    r4 = summarize(by_task, 4)  # b has only 3 valid samples: left out, counted
+    assert (r4["n_tasks"], r4["tasks_incomplete"], r4["pass@4"]) == (1, 1, 1.0)
+
+
+@pytest.fixture(scope="module")
+def mini_model(tmp_path_factory):
+    from mixrl.models import pretrain
+
+    out = tmp_path_factory.mktemp("mini") / "policy"
+    recipe = pretrain.Recipe(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, steps=4,
+                             batch=8, warmup=1, threads=1)
+    pretrain.pretrain(recipe, out, log=None)
+    return out
+
+
+def test_session_on_builtin_engine_keeps_sampler_records(mini_model) -> None:
+    """Token in, token out with the real engine: per-token q, version, group, support."""
+    import torch
+
+    from mixrl.envs.chat import ChatFormat
+    from mixrl.envs.registry import make_env, make_task_source
+    from mixrl.models.policy import load_policy
+    from mixrl.rollout.session import run_episode
+    from mixrl.sampling.base import SamplingParams
+    from mixrl.sampling.batching import BatchingSampler
+    from mixrl.sampling.factory import make_engine
+
+    _, tok = load_policy(mini_model)
+    chat = ChatFormat(tok)
+    engine = make_engine(str(mini_model), "fp32", "grp", seed=0, num_threads=1)
+    src = make_task_source("mix", "heldout", 0)
+
+    async def go():
+        s = BatchingSampler(engine, max_batch=8)
+        try:
+            return await asyncio.gather(*[
+                run_episode(make_env(src[i], chat), s.generate, SamplingParams(max_new_tokens=12),
+                            prompt_id=src[i].prompt_id, sample_idx=0, max_total_tokens=80)
+                for i in range(4)])
+        finally:
+            await s.close()
+
+    for tr in asyncio.run(go()):
+        tr.validate()
+        assert tr.status in ("ok", "format_error", "max_turns", "truncated")
+        first_gen = tr.loss_mask.index(1)
+        assert tr.tokens[first_gen - 1] == chat.assistant_header[-1]  # generation starts after the header
+        gen = [i for i, m in enumerate(tr.loss_mask) if m]
+        assert all(tr.versions[i] == 0 and tr.groups[i] == "grp" for i in gen)
+        assert tr.cand_kind == "support" and len(tr.cand_offsets) == len(gen) + 1
+        for j, i in enumerate(gen):
+            a, b = tr.cand_offsets[j], tr.cand_offsets[j + 1]
+            ids, lps = tr.cand_ids[a:b], tr.cand_logprobs[a:b]
+            assert tr.tokens[i] in ids  # the sampled token is in q's support ...
+            assert lps[ids.index(tr.tokens[i])] == pytest.approx(tr.sampler_logprobs[i], abs=1e-5)
+            assert torch.logsumexp(torch.tensor(lps, dtype=torch.float64), 0).item() == pytest.approx(0, abs=1e-4)
+
+
+def test_evaluate_end_to_end_and_cli_json(mini_model, capsys) -> None:
+    from mixrl.rollout import evaluate as ev
+
+    r = ev.evaluate(mini_model, k=2, n=3, n_tasks=4, seed=0, task="mix", max_new_tokens=8, num_threads=1)
+    for key in ("pass@1", "pass@2", "n_tasks", "mean_reward", "per_family", "status"):
+        assert key in r
+    assert sum(r["status"].values()) == 4 * 3 and r["n_tasks"] + r["tasks_incomplete"] == 4
+    assert set(r["per_family"]) == {"calc", "upper"} and 0.0 <= r["pass@1"] <= r["pass@2"] <= 1.0
+    p = argparse.ArgumentParser()
+    ev.configure(p)
+    args = p.parse_args([str(mini_model), "--k", "1", "--tasks", "2", "--task", "upper", "--json",
+                         "--max-new-tokens", "6", "--threads", "1"])
+    assert ev.main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["n_tasks"] == 2 and not math.isnan(out["pass@1"]) and out["profile"] == "fp32"
+    assert ev.main(p.parse_args([str(mini_model), "--k", "3", "--n", "2"])) == 2
+    assert "k=3, n=2" in capsys.readouterr().out
