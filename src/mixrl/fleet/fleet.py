@@ -206,6 +206,8 @@ class Fleet:
             self._sync_tasks[name] = asyncio.ensure_future(self._catch_up(name))
 
     async def _catch_up(self, name: str) -> None:
+        if name not in self.handles:  # still being created: it syncs once its handle exists
+            return
         while name in self.handles and self.versions.get(name, -1) < self.store.latest:
             version, ref = self.store.get()
             try:
@@ -216,7 +218,7 @@ class Fleet:
             self.versions[name] = version
             self.store.served(version, name)
         info = self.router.replicas.get(name)
-        if info is not None and info.state == CATCHING_UP:
+        if info is not None and info.state == CATCHING_UP and name in self.handles:
             info.state = READY
             self._changed.set()
 
@@ -259,7 +261,8 @@ class Fleet:
                 self.counts["retried_requests"] += 1
             info = await self._pick(session, tried)
             handle = self.handles.get(info.name)
-            if handle is None:
+            if handle is None:  # closed between pick and call
+                tried.add(info.name)
                 continue
             info.inflight += 1
             try:

@@ -189,6 +189,8 @@ class Orchestrator:
                 self.timers["elapsed_s"] = elapsed
                 m = self._metrics(trajs, tmetrics, bmetrics, astats, (t0, t1, t2, t3), elapsed)
                 self._record(m, elapsed)
+                if self.sinks is not None and hasattr(self.sinks, "batch"):
+                    self.sinks.batch(self.step, version, groups)
                 ce = self.cfg.runtime.checkpoint_every
                 if ce and self.step % ce == 0 and self.step < self.cfg.runtime.steps:
                     await self.checkpoint()

@@ -83,6 +83,15 @@ class _RunSinks:
 
         self._s = Sinks(run_dir, tensorboard)
         self._events = run_dir / "collapse.jsonl"
+        self._batches = open(run_dir / "batches.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def batch(self, step: int, version: int, groups: list[list[Any]]) -> None:
+        """Audit trail: which samples each update trained on (one line per step)."""
+        rec = {"step": step, "trainer_version": version,
+               "prompts": [g[0].prompt_id for g in groups],
+               "samples": [[t.sample_idx for t in g] for g in groups],
+               "status": [[t.status for t in g] for g in groups]}
+        self._batches.write(json.dumps(rec) + "\n")
 
     def write(self, step: int, t: float, m: dict[str, Any]) -> None:
         self._s.write(step, t, m)
@@ -94,6 +103,17 @@ class _RunSinks:
 
     def close(self) -> None:
         self._s.close()
+        self._batches.close()
+
+
+def _truncate_jsonl(path: Path, last_step: int) -> None:
+    """Keep the records of steps <= ``last_step`` (a resumed run redoes the later ones)."""
+    if not path.exists():
+        return
+    keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(x + "\n" for x in keep))
+    tmp.replace(path)
 
 
 def train(
@@ -121,6 +141,9 @@ def train(
     if resume and payload is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
     run_dir.mkdir(parents=True, exist_ok=True)
+    if payload is not None:
+        for name in ("metrics.jsonl", "batches.jsonl"):
+            _truncate_jsonl(run_dir / name, int(payload["step"]))
     loss_cfg, derived = resolve_loss(cfg)
     model_path = str(resolve(cfg.model.path))
     (run_dir / "config.toml").write_text(to_toml(cfg) + "\n")

@@ -14,6 +14,7 @@ one log-prob too few), as a faulty engine would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 from typing import Any
@@ -72,11 +73,10 @@ class InProcessSampler(SamplerHandle):
         await self._sampler.load_weights(ref, version)
 
     async def close(self) -> None:
-        close = getattr(self._sampler, "close", None)
-        if close is not None:
-            r = close()
-            if asyncio.iscoroutine(r):
-                await r
+        # Bounded: on Python 3.11 a cancellation racing an ``asyncio.wait_for`` inside the
+        # sampler's loop can be lost; the timeout cancels it a second time.
+        with contextlib.suppress(TimeoutError, ReplicaFailure):
+            await asyncio.wait_for(self._sampler.close(), timeout=2.0)
 
 
 def _corrupted(res: GenerationResult, k: int) -> GenerationResult:

@@ -1,0 +1,191 @@
+"""``mixrl bench e2e [--json]``: end-to-end throughput of the runtime.
+
+Three measurements in one invocation, all on the bundled policy:
+
+1. **async vs sync**: the same short run (the demo's mixed fleet, fewer steps,
+   no evaluation) in sync mode (samplers wait for every update) and in async
+   mode; samples/s of each (trajectories trained on per second of training,
+   setup excluded), their ratio ``async_over_sync`` (goal >= 1.3) and the
+   async trainer's idle fraction (time spent waiting for a batch).
+2. **mixrl vs TRL**: TRL's ``GRPOTrainer`` (CPU, no vLLM, FP32, no gradient
+   checkpointing) and mixrl on the same model, the same single-turn task
+   (``reverse``), the same batch (B prompts x G samples) and completion
+   length: RL steps/s over the steps after the first (warm-up excluded),
+   ratio ``mixrl_over_trl`` (goal >= 2). Without ``trl`` installed the JSON
+   says so instead.
+3. **weight publication**: from publish to every replica serving the new
+   version (measured in the sync run, where no batch is in flight), against a
+   raw copy of the same state dict: ``publish_over_copy`` (goal <= 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--steps", type=int, default=8, help="updates per run (default 8)")
+    parser.add_argument("--prompts", type=int, default=8, help="B: prompts per update")
+    parser.add_argument("--group-size", type=int, default=8, help="G: samples per prompt")
+    parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
+    parser.add_argument("--out", default=None, help="keep the run directories here")
+
+
+def _cfg(base: list[str], run_dir: Path, extra: list[str]) -> Any:
+    from mixrl.config.run import load_config
+
+    return load_config(None, [*base, f'observe.run_dir="{run_dir.as_posix()}"', *extra])
+
+
+def _steps_per_s(history: list[dict[str, Any]], times: list[float]) -> float:
+    """Steps per second after the first step (warm-up excluded)."""
+    if len(times) < 2:
+        return float("nan")
+    return (len(times) - 1) / max(times[-1] - times[0], 1e-9)
+
+
+def run_mixrl(base: list[str], run_dir: Path, extra: list[str]) -> dict[str, Any]:
+    from mixrl.runtime.run import train
+
+    s = train(_cfg(base, run_dir, extra), evaluate=False, progress=False)
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    times = [r["time"] for r in recs]
+    # per-version publish latencies (publish -> every replica serves it)
+    pub = [r["fleet/publish_s"] for r in recs if r.get("fleet/publish_s") is not None]
+    return {
+        "samples_per_s": s["samples_per_s"],
+        "steps_per_s": _steps_per_s(s["history"], times),
+        "trainer_idle_frac": s["trainer_idle_frac"],
+        "elapsed_s": s["elapsed_s"],
+        "publish_s": statistics.median(pub) if pub else float("nan"),
+        "steps": s["steps"],
+    }
+
+
+def copy_time(model_path: str, repeats: int = 5) -> float:
+    """Median time of a raw detached copy of the policy's state dict."""
+    from mixrl.fleet.weights import copy_state_dict
+    from mixrl.models.policy import load_policy
+
+    model, _ = load_policy(model_path)
+    sd = model.state_dict()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        copy_state_dict(sd)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int, lr: float) -> dict[str, Any]:
+    """TRL GRPOTrainer on the reverse task: steps/s after the first step."""
+    try:
+        import trl
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as e:
+        return {"available": False, "reason": f"trl is not installed ({e}); pip install trl==1.16.0"}
+    import asyncio
+
+    import torch
+
+    from mixrl.envs.chat import ChatFormat
+    from mixrl.envs.registry import make_env, make_task_source
+    from mixrl.models.policy import load_policy
+
+    model, tok = load_policy(model_path)
+    chat = ChatFormat(tok)
+    src = make_task_source("reverse", "train", seed=0)
+    tasks = [src.next() for _ in range(prompts * (steps + 1))]
+    by_prompt = {}
+    rows = []
+    for t in tasks:
+        ids = asyncio.run(make_env(t, chat).reset())
+        text = tok.decode(ids, skip_special_tokens=False)
+        by_prompt[text] = t
+        rows.append({"prompt": text})
+
+    def reward(prompts: list[str], completions: list[str], **_: Any) -> list[float]:
+        out = []
+        for p, c in zip(prompts, completions, strict=True):
+            env = make_env(by_prompt[p], chat)
+            asyncio.run(env.reset())
+            ids = tok(c, add_special_tokens=False)["input_ids"]
+            step = asyncio.run(env.step(ids, "stop"))
+            out.append(float(step.reward or 0.0))
+        return out
+
+    times: list[float] = []
+
+    class _Clock(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            times.append(time.perf_counter())
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = GRPOConfig(
+            output_dir=tmp, use_cpu=True, use_vllm=False, bf16=False, gradient_checkpointing=False,
+            report_to="none", num_generations=group, per_device_train_batch_size=prompts * group,
+            max_completion_length=max_new, max_steps=steps, learning_rate=lr, logging_steps=1,
+            save_strategy="no", disable_tqdm=True, seed=0, temperature=1.0, beta=0.0,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
+                              processing_class=tok, callbacks=[_Clock()])
+        t0 = time.perf_counter()
+        trainer.train()
+        total = time.perf_counter() - t0
+    return {"available": True, "version": trl.__version__, "steps_per_s": _steps_per_s([], times),
+            "elapsed_s": total, "steps": len(times)}
+
+
+def main(args: argparse.Namespace) -> int:
+    from mixrl.models.policy import resolve
+
+    out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="mixrl-bench-e2e-"))
+    base = [f"runtime.steps={args.steps}", f"rollout.prompts_per_step={args.prompts}",
+            f"rollout.group_size={args.group_size}", "runtime.checkpoint_every=0",
+            "runtime.eval.enabled=false", "observe.tensorboard=false", "observe.progress=false"]
+    model_path = str(resolve("bundled"))
+    res: dict[str, Any] = {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size}
+    sync = run_mixrl(base, out_root / "sync", ['runtime.mode="sync"'])
+    asyn = run_mixrl(base, out_root / "async", ['runtime.mode="async"'])
+    res["sync"], res["async"] = sync, asyn
+    res["async_over_sync"] = asyn["samples_per_s"] / sync["samples_per_s"]
+    res["trainer_idle_frac"] = asyn["trainer_idle_frac"]
+    copy_s = copy_time(model_path)
+    res["publish_s"], res["copy_s"] = sync["publish_s"], copy_s
+    res["publish_over_copy"] = sync["publish_s"] / copy_s
+    # mixrl vs TRL: one fp32 replica (the trainer's own precision), single-turn task, same batch.
+    max_new = 16
+    single = ['env.name="reverse"', "env.options={}", f"rollout.max_new_tokens={max_new}",
+              "rollout.max_total_tokens=64", 'loss.preset="grpo"',
+              'fleet.groups=[{name="fp32", profile="fp32", replicas=1, min_replicas=1, max_replicas=1}]']
+    if args.no_trl:
+        res["trl"] = {"available": False, "reason": "skipped (--no-trl)"}
+    else:
+        res["trl"] = run_trl(model_path, args.steps, args.prompts, args.group_size, max_new, 1e-4)
+    if res["trl"].get("available"):
+        mine = run_mixrl(base, out_root / "vs-trl", [*single, "optim.lr=1e-4"])
+        res["mixrl_single_turn"] = mine
+        res["mixrl_over_trl"] = mine["steps_per_s"] / res["trl"]["steps_per_s"]
+    else:
+        res["mixrl_over_trl"] = None
+    res["goals"] = {
+        "async_over_sync>=1.3": res["async_over_sync"] >= 1.3,
+        "mixrl_over_trl>=2": None if res["mixrl_over_trl"] is None else res["mixrl_over_trl"] >= 2,
+        "publish_over_copy<=3": res["publish_over_copy"] <= 3,
+    }
+    res["run_dirs"] = str(out_root)
+    if args.json:
+        print(json.dumps(res, default=float))
+    else:
+        print(json.dumps(res, indent=2, default=float))
+    return 0

@@ -1,0 +1,86 @@
+"""Fleet over real tiny engines: catch-up before traffic, failures, malformed results, scaling."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+
+from mixrl.config.run import build_config
+from mixrl.fleet.fleet import Fleet, GroupSpec, SessionFailed
+from mixrl.fleet.router import READY, NoReplicaAvailable
+from mixrl.fleet.weights import WeightStore, copy_state_dict
+from mixrl.runtime.backends.inprocess import InProcessBackend
+from mixrl.sampling.base import GenerationRequest, SamplingParams
+
+
+def _setup(path: Path, replicas: dict[str, int]) -> tuple[InProcessBackend, Fleet, dict]:
+    from transformers import AutoModelForCausalLM
+
+    groups = [{"name": g, "profile": p, "replicas": n, "min_replicas": 0, "max_replicas": 4}
+              for g, (p, n) in replicas.items()]
+    cfg = build_config({"fleet": {"groups": groups}})
+    backend = InProcessBackend(cfg, str(path), None)
+    specs = [GroupSpec(g.name, 1.0, g.replicas, 0, 4) for g in cfg.fleet.groups]
+    fleet = Fleet(specs, backend.make_sampler, WeightStore(), seed=0, max_retries=4)
+    sd = AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+    return backend, fleet, sd
+
+
+def req(i: int) -> GenerationRequest:
+    return GenerationRequest([4, 20 + i, 30, 5], SamplingParams(max_new_tokens=6, seed=i), request_id=f"r{i}")
+
+
+def test_failover_malformed_and_catch_up(tiny_policy: Path) -> None:
+    async def main() -> None:
+        backend, fleet, sd = _setup(tiny_policy, {"a": ("fp32", 1), "b": ("h100-fp8", 1)})
+        fleet.publish(0, copy_state_dict(sd))
+        await fleet.start()
+        assert all(r.state == READY for r in fleet.router.replicas.values())
+        assert fleet.versions == {"a/0": 0, "b/0": 0}
+        # A new version: every replica serves it; the latency is recorded.
+        sd1 = {k: v + 0.01 for k, v in sd.items()}
+        fleet.publish(1, sd1)
+        await fleet.wait_synced(1)
+        assert set(fleet.versions.values()) == {1} and 1 in fleet.store.latencies
+        res = await fleet.generate("s0", req(0))
+        assert res.version == 1
+        # Kill the replica the session is pinned to: the same request completes elsewhere.
+        pinned = fleet.router.pin("s1")
+        backend.kill(f"{pinned}/0")
+        res = await fleet.generate("s1", req(1))
+        assert res.group != pinned and fleet.counts["replica_failures"] == 1
+        # A replacement replica is started and serves only after catching up.
+        for _ in range(200):
+            if len(fleet.router.ready(pinned)) == 1:
+                break
+            await asyncio.sleep(0.05)
+        new = fleet.router.ready(pinned)[0]
+        assert new.name == f"{pinned}/1" and fleet.versions[new.name] == 1
+        # Malformed results (NaN log-prob, missing log-prob) are rejected, counted and retried.
+        for name in list(fleet.handles):
+            backend.corrupt(name, 1)
+        res = await fleet.generate("s2", req(2))
+        assert all(torch.isfinite(torch.tensor(res.logprobs)))
+        assert len(res.logprobs) == len(res.token_ids)
+        assert fleet.counts["malformed_results"] >= 1
+        # Scale up and down mid-run through the API.
+        name = await fleet.add_replica("a")
+        assert fleet.versions[name] == 1 and fleet.live("a") == len(fleet.router.ready("a"))
+        await fleet.remove_replica(name)
+        assert name not in fleet.handles
+        # Every replica dead and no restart: the session fails loudly (it becomes infra_failed upstream).
+        fleet.restart_failed = False
+        fleet.wait_for_replica_s = 0.2
+        for name in list(fleet.handles):
+            backend.kill(name)
+        try:
+            await fleet.generate("s3", req(3))
+        except Exception as e:  # noqa: BLE001
+            assert isinstance(e, SessionFailed | NoReplicaAvailable), e
+        else:
+            raise AssertionError("generate succeeded with every replica dead")
+        await fleet.close()
+
+    asyncio.run(main())
