@@ -102,5 +102,8 @@ def test_evaluate_end_to_end_and_cli_json(mini_model, capsys) -> None:
     assert ev.main(args) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["n_tasks"] == 2 and not math.isnan(out["pass@1"]) and out["profile"] == "fp32"
+    one = ev.evaluate(mini_model, k=1, n_tasks=3, task="calc", max_new_tokens=6, num_threads=1,
+                      env_options={"max_turns": 1})
+    assert one["mean_turns"] == 1.0  # env options reach make_env
     assert ev.main(p.parse_args([str(mini_model), "--k", "3", "--n", "2"])) == 2
     assert "k=3, n=2" in capsys.readouterr().out

@@ -87,6 +87,7 @@ def evaluate(
     max_new_tokens: int = 32,
     max_total_tokens: int = 256,
     max_turns: int = 4,
+    env_options: dict[str, Any] | None = None,
     max_batch: int = 64,
     num_threads: int | None = None,
 ) -> dict[str, Any]:
@@ -95,6 +96,7 @@ def evaluate(
     Returns a dict with ``pass@1``, ``pass@<k>``, ``n_tasks``, ``n``, ``k``,
     ``mean_reward``, ``status`` counts, ``infra_failed``, ``tasks_incomplete``,
     ``per_family`` (the same metrics per family) and ``wall_s``.
+    ``env_options`` go to ``make_env`` (they override ``max_turns``).
     """
     from mixrl.envs.chat import ChatFormat
     from mixrl.envs.registry import make_env, make_task_source
@@ -120,12 +122,13 @@ def evaluate(
     tasks = [src[i] for i in range(n_tasks)]
     engine = make_engine(str(path), prof, prof, seed=seed, max_batch=max_batch, num_threads=num_threads)
     params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, record="none")
+    env_kw = {"max_turns": max_turns, **(env_options or {})}
 
     async def run_all() -> list[Any]:
         sampler = BatchingSampler(engine, max_batch=max_batch)
         try:
             coros = [
-                run_episode(make_env(t, chat, max_turns=max_turns), sampler.generate, params,
+                run_episode(make_env(t, chat, **env_kw), sampler.generate, params,
                             prompt_id=t.prompt_id, sample_idx=j, max_total_tokens=max_total_tokens)
                 for t in tasks for j in range(n)
             ]
