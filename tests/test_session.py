@@ -212,3 +212,30 @@ def test_single_turn_family() -> None:
 
     tr = episode(ReverseEnv(t, CHAT), Scripted([f"<answer>{t.data['answer']}</answer>"]))
     assert (tr.status, tr.reward, tr.turns) == ("ok", 1.0, 1)
+
+
+def _cut(tr: Trajectory, n: int) -> Trajectory:
+    part = Trajectory.from_dict({**tr.to_dict(), "info": {}})
+    for f in ("tokens", "loss_mask", "sampler_logprobs", "versions", "groups"):
+        setattr(part, f, getattr(part, f)[:n])
+    n_gen = sum(part.loss_mask)
+    part.cand_offsets = part.cand_offsets[: n_gen + 1]
+    part.cand_ids = part.cand_ids[: part.cand_offsets[-1]]
+    part.cand_logprobs = part.cand_logprobs[: part.cand_offsets[-1]]
+    return part
+
+
+def test_resume_finished_turn_not_yet_answered_by_env() -> None:
+    """A last run ending with a stop id is a whole turn: stepped, not continued."""
+    turns = ["<calc>12*7+3</calc>", "<answer>87</answer>"]
+    full = episode(CalcEnv(TASK, CHAT), Scripted(turns))
+    n1 = len(CHAT.prompt("What is 12*7+3?")) + len(CHAT.encode(turns[0])) + 1
+    gen = Scripted(turns[1:])
+    tr = episode(CalcEnv(TASK, CHAT), gen, resume=_cut(full, n1))
+    tr.validate()
+    assert tr.tokens == full.tokens and (tr.status, tr.reward, tr.turns) == ("ok", 1.0, 2)
+    assert len(gen.requests) == 1 and gen.requests[0].prompt_ids == full.tokens[: n1 + len(CHAT.tool_result("87"))]
+    # the final answer already generated: the episode ends without a new request
+    gen = Scripted(turns)
+    tr = episode(CalcEnv(TASK, CHAT), gen, resume=_cut(full, len(full.tokens)))
+    assert (tr.status, tr.reward, tr.turns, len(gen.requests)) == ("ok", 1.0, 2, 0)

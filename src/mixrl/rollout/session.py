@@ -31,10 +31,12 @@ Stop ids: the request's ``stop_ids`` are ``params.stop_ids`` plus the env's
 Resume (checkpoints, a replica lost mid-episode): ``resume`` is a partial
 trajectory of the same task. The env is reset and the completed turns are
 replayed into it (deterministic envs give the same tokens back; a mismatch is
-``infra_failed``). If the last generated run has no env tokens after it and
-``info["finish_reasons"]`` has no entry for it, that turn was cut mid-way: it
-continues from the whole prefix and the two pieces form one turn, each token
-keeping its own version and group. The runner closes the env at the end.
+``infra_failed``). If the last generated run has no env tokens after it, no
+entry in ``info["finish_reasons"]`` and no stop id at its end, that turn was
+cut mid-way: it continues from the whole prefix and the two pieces form one
+turn, each token keeping its own version and group (a last run that ends
+with a stop id is a finished turn the env has not answered yet: it is
+stepped). The runner closes the env at the end.
 """
 
 from __future__ import annotations
@@ -118,10 +120,13 @@ async def _replay(
     gen_runs = [r for r in runs if r[2] == 1]
     for k, (s, e, _) in enumerate(gen_runs):
         nxt = next((r for r in runs if r[0] == e), None)
-        if nxt is None and k >= len(reasons):
-            return traj, e - s, None  # the last turn was cut mid-way: continue it
-        if k >= len(reasons):  # older records: infer from the stop id
+        if k >= len(reasons):  # no recorded finish reason: infer it from the stop id
+            if nxt is None and traj.tokens[e - 1] not in stop:
+                # Cut mid-way: continue it. (A turn that had reached the turn limit
+                # gets no new tokens and is stepped as "length".)
+                return traj, e - s, None
             reasons.append("stop" if traj.tokens[e - 1] in stop else "length")
+        traj.turns = k + 1
         step = await env.step(traj.tokens[s:e], reasons[k])
         if nxt is None:
             # Completed turn whose env answer was not recorded yet: take it now.
