@@ -131,7 +131,7 @@ class BuiltinEngine(Engine):
         self._seen = 0  # requests seen, for default per-request seeds
         with torch.inference_mode():
             hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            self._weights = qf.build_weights(hf.state_dict(), self.shape, self.prec, self.max_context)
+            self._weights = qf.build_weights(hf.state_dict(), self.shape, self.prec, self.max_context, max_batch)
         del hf
         self.version = 0  # the checkpoint at model_path; load_weights sets the trainer's versions
 
@@ -141,7 +141,7 @@ class BuiltinEngine(Engine):
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         with torch.inference_mode():
-            w = qf.build_weights(state_dict, self.shape, self.prec, self.max_context)
+            w = qf.build_weights(state_dict, self.shape, self.prec, self.max_context, self.max_batch)
         self._weights, self.version = w, version  # a running batch keeps its own reference
 
     # --------------------------------------------------------------- generation
@@ -203,6 +203,7 @@ class BuiltinEngine(Engine):
         topp = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
         U = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds])  # [B, N]
         live = list(range(B))  # tensor row -> index into rows
+        padded = min(lens) < P
 
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
         for i, r in enumerate(reqs):
@@ -244,9 +245,13 @@ class BuiltinEngine(Engine):
                 L, start, temp, topk, topp, U, tok = (
                     t.index_select(0, keep_idx) for t in (L, start, temp, topk, topp, U, tok)
                 )
+                padded = bool(start.max() > 0)
             c = P + s  # the column the sampled token is written to
-            dmask = (torch.arange(c + 1)[None, :] >= start[:, None])[:, None, None, :]  # [b, 1, 1, c+1]
-            hidden = qf.forward(w, shape, prec, cache, tok[:, None], (L + s)[:, None], c, dmask)
+            bias = None  # additive attention bias hiding left padding, only if a row is padded
+            if padded:
+                pad = torch.arange(c + 1)[None, :] < start[:, None]  # [b, c + 1]
+                bias = torch.zeros(pad.shape, dtype=prec.dtype).masked_fill_(pad, float("-inf"))[:, None, None]
+            hidden = qf.forward(w, shape, prec, cache, tok[:, None], (L + s)[:, None], c, bias)
         t2 = time.perf_counter()
 
         timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "batch_size": float(B)}

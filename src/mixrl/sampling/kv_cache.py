@@ -23,10 +23,11 @@ class KVCache:
         dtype: torch.dtype, quantize: Hook | None,
     ) -> None:
         shape = (batch, kv_heads, length, head_dim)
-        # zeros, not empty: unwritten (masked) columns must stay finite, since a masked
-        # attention weight of exactly 0 times NaN garbage would still be NaN.
-        self.k = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.zeros(shape, dtype=dtype) for _ in range(layers)]
+        # empty, not zeros: attention only reads columns [0, end) and every one of them
+        # has been written (prefill writes all P columns, padding included, and each
+        # decode step writes its column before reading), so garbage is never read.
+        self.k = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
         self.quantize = quantize
         self.length = length
 

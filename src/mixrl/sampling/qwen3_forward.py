@@ -3,7 +3,8 @@
 Math of ``transformers``' Qwen3 (arXiv 2505.09388): pre-norm decoder layers,
 RMSNorm, per-head RMSNorm on q and k before RoPE, grouped-query attention,
 SwiGLU MLP, tied or untied ``lm_head``. The *kernels* are ours on purpose:
-fused qkv and gate/up matmuls, a preallocated cache written one step at a time,
+fused qkv and gate/up matmuls with weights prepacked for oneDNN
+(``linear.py``), a preallocated cache written one step at a time,
 RoPE from a precomputed table, so that a sampler differs from the trainer's
 full-sequence HF forward the way a real inference engine does.
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from mixrl.sampling.kv_cache import KVCache
+from mixrl.sampling.linear import PackedLinear
 from mixrl.sampling.precision import Precision
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
@@ -84,14 +86,11 @@ class Shape:
 class Layer:
     ln1: torch.Tensor  # [H]
     ln2: torch.Tensor  # [H]
-    q_norm: torch.Tensor  # [D]
-    k_norm: torch.Tensor  # [D]
-    w_qkv: torch.Tensor  # [(Hq + 2 Hkv) D, H]
-    b_qkv: torch.Tensor | None  # [(Hq + 2 Hkv) D]
-    w_o: torch.Tensor  # [H, Hq D]
-    b_o: torch.Tensor | None
-    w_gate_up: torch.Tensor  # [2 I, H]
-    w_down: torch.Tensor  # [H, I]
+    qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm for each query head, then k_norm per kv head
+    qkv: PackedLinear  # [(Hq + 2 Hkv) D, H] (+ bias when config.attention_bias)
+    o: PackedLinear  # [H, Hq D]
+    gate_up: PackedLinear  # [2 I, H]
+    down: PackedLinear  # [H, I]
 
 
 @dataclass
@@ -99,9 +98,9 @@ class Weights:
     embed: torch.Tensor  # [V, H]
     layers: list[Layer]
     norm: torch.Tensor  # [H]
-    lm_head: torch.Tensor  # [V, H]
+    lm_head: PackedLinear  # [V, H]
     cos: torch.Tensor  # [rope_len, D] compute dtype
-    sin: torch.Tensor  # [rope_len, D]
+    sin: torch.Tensor  # [rope_len, D] with the first half negated (see _rope)
 
 
 def _clean(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -115,7 +114,7 @@ def _clean(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
 
 
 def build_weights(
-    state_dict: Mapping[str, Any], shape: Shape, prec: Precision, rope_len: int
+    state_dict: Mapping[str, Any], shape: Shape, prec: Precision, rope_len: int, batch_hint: int = 64
 ) -> Weights:
     """HF-named state dict -> quantized, fused, compute-dtype tensors (RoPE table for
     positions [0, rope_len)). Raises KeyError naming a missing parameter."""
@@ -142,14 +141,16 @@ def build_weights(
             Layer(
                 ln1=get(p + "input_layernorm.weight").to(dt),
                 ln2=get(p + "post_attention_layernorm.weight").to(dt),
-                q_norm=get(a + "q_norm.weight").to(dt),
-                k_norm=get(a + "k_norm.weight").to(dt),
-                w_qkv=torch.cat([lin(a + f"{n}_proj.weight") for n in "qkv"]).contiguous(),
-                b_qkv=b_qkv,
-                w_o=lin(a + "o_proj.weight").contiguous(),
-                b_o=b_o,
-                w_gate_up=torch.cat([lin(p + "mlp.gate_proj.weight"), lin(p + "mlp.up_proj.weight")]),
-                w_down=lin(p + "mlp.down_proj.weight").contiguous(),
+                qk_norm=torch.cat([
+                    get(a + "q_norm.weight").expand(shape.heads, -1),
+                    get(a + "k_norm.weight").expand(shape.kv_heads, -1),
+                ]).to(dt),  # fmt: skip
+                qkv=PackedLinear(torch.cat([lin(a + f"{n}_proj.weight") for n in "qkv"]), b_qkv, batch_hint),
+                o=PackedLinear(lin(a + "o_proj.weight"), b_o, batch_hint),
+                gate_up=PackedLinear(
+                    torch.cat([lin(p + "mlp.gate_proj.weight"), lin(p + "mlp.up_proj.weight")]), None, batch_hint
+                ),
+                down=PackedLinear(lin(p + "mlp.down_proj.weight"), None, batch_hint),
             )
         )
     embed = get("model.embed_tokens.weight")
@@ -165,47 +166,56 @@ def build_weights(
         embed=embed.to(dt).contiguous(),
         layers=layers,
         norm=get("model.norm.weight").to(dt),
-        lm_head=head.to(dt).contiguous(),
+        lm_head=PackedLinear(head.to(dt), None, batch_hint),
         cos=(emb.cos() * shape.rope_scale).to(dt),
-        sin=(emb.sin() * shape.rope_scale).to(dt),
+        sin=(torch.cat([-freqs.sin(), freqs.sin()], dim=-1) * shape.rope_scale).to(dt),
     )
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF Qwen3RMSNorm: normalize in fp32, round to the input dtype, then scale."""
+    """HF Qwen3RMSNorm over the last dim: normalize in fp32, round to the input dtype,
+    then scale by ``w`` ([D], or [heads, D] for per-head norms of a [..., heads, D] input)."""
     if x.dtype == torch.float32:
-        return F.rms_norm(x, w.shape, w, eps)  # fused kernel, same math in fp32
+        if w.dim() == 1:
+            return F.rms_norm(x, w.shape, w, eps)  # fused kernel, same math in fp32
+        return F.rms_norm(x, x.shape[-1:], None, eps) * w
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return w * xf.to(x.dtype)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [B, T, h, D]; cos/sin [B, T, 1, D]; rotate_half = cat(-x2, x1)
+    """HF's ``x * cos + rotate_half(x) * sin`` with rotate_half(x) = cat(-x2, x1).
+
+    ``sin`` carries the sign: cat(x2, x1) * cat(-s, s) == cat(-x2, x1) * cat(s, s)
+    exactly (negation is exact), one op less. x [B, T, h, D]; cos/sin [B, T, 1, D].
+    """
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return x * cos + torch.cat([x2, x1], dim=-1) * sin
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, prec: Precision) -> torch.Tensor:
+def _linear(x: torch.Tensor, lin: PackedLinear, prec: Precision) -> torch.Tensor:
     if prec.act is not None:
         x = prec.act(x)
-    return F.linear(x, w, b)
+    return lin(x)
 
 
 def _decode_attention(
     q: torch.Tensor,  # [B, 1, Hq, D] one query per row
     k: torch.Tensor,  # [B, Hkv, S, D] cached keys (a prefix view of the cache)
     v: torch.Tensor,  # [B, Hkv, S, D]
-    mask: torch.Tensor,  # [B, 1, 1, S] bool
+    bias: torch.Tensor | None,  # [B, 1, 1, S] additive: 0 or -inf (left padding); None = no padding
 ) -> torch.Tensor:
     """One-query attention with GQA as a grouped matmul: query head ``h`` uses kv head
     ``h // G`` (HF's ``repeat_kv`` order), so viewing q as [B, Hkv, G, D] avoids
-    materializing repeated keys; scores and softmax in fp32 like HF's eager path."""
+    materializing repeated keys. Scores in the compute dtype, softmax in fp32, as
+    HF's eager path."""
     B, _, Hq, D = q.shape
     Hkv = k.shape[1]
     qg = q.view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
-    s = torch.matmul(qg, k.transpose(-1, -2)).float() * D**-0.5  # [B, Hkv, G, S]
-    p = torch.softmax(s.masked_fill_(~mask, float("-inf")), dim=-1).to(v.dtype)
+    s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G, S]
+    s = s.mul_(D**-0.5) if bias is None else torch.add(bias, s, alpha=D**-0.5)  # bias + s / sqrt(D)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(p, v).view(B, 1, Hq * D)  # [B, Hkv, G, D] -> [B, 1, Hq D]
 
 
@@ -217,9 +227,13 @@ def forward(
     ids: torch.Tensor,  # [B, T] token ids written at cache columns [col0, col0 + T)
     pos: torch.Tensor,  # [B, T] RoPE positions
     col0: int,
-    mask: torch.Tensor,  # [B, 1, T, col0 + T] bool: True = may attend
+    mask: torch.Tensor | None,
 ) -> torch.Tensor:
-    """Run T new tokens per row through the model; return the last column's hidden state [B, H]."""
+    """Run T new tokens per row through the model; return the last column's hidden state [B, H].
+
+    ``mask``: for T > 1 a bool [B, 1, T, col0 + T] (True = may attend); for T == 1 an
+    additive [B, 1, 1, col0 + 1] bias in the compute dtype, or None when no row is padded.
+    """
     B, T = ids.shape
     Hq, Hkv, D = shape.heads, shape.kv_heads, shape.head_dim
     x = F.embedding(ids, w.embed)  # [B, T, H]
@@ -228,21 +242,22 @@ def forward(
     end = col0 + T
     for li, L in enumerate(w.layers):
         h = rms_norm(x, L.ln1, shape.eps)
-        qkv = _linear(h, L.w_qkv, L.b_qkv, prec)  # [B, T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split([Hq * D, Hkv * D, Hkv * D], dim=-1)
-        q = _rope(rms_norm(q.view(B, T, Hq, D), L.q_norm, shape.eps), cos, sin)
-        k = _rope(rms_norm(k.view(B, T, Hkv, D), L.k_norm, shape.eps), cos, sin)
-        keys, vals = cache.write(li, col0, k.transpose(1, 2), v.view(B, T, Hkv, D).transpose(1, 2))
+        qkv = _linear(h, L.qkv, prec)  # [B, T, (Hq + 2 Hkv) D]
+        heads = qkv.view(B, T, Hq + 2 * Hkv, D)
+        # q and k heads normed and rotated together (per-head weights), v untouched
+        qk = _rope(rms_norm(heads[:, :, : Hq + Hkv], L.qk_norm, shape.eps), cos, sin)
+        q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], heads[:, :, Hq + Hkv :]  # [B, T, h, D]
+        keys, vals = cache.write(li, col0, k.transpose(1, 2), v.transpose(1, 2))
         if T == 1:  # decode: grouped heads share their kv head, no repeat (see _decode_attention)
             a = _decode_attention(q, keys[:, :, :end], vals[:, :, :end], mask)  # [B, 1, Hq D]
         else:
             a = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys[:, :, :end], vals[:, :, :end], attn_mask=mask, enable_gqa=Hq != Hkv
             ).transpose(1, 2).reshape(B, T, Hq * D)  # [B, T, Hq D]
-        x = x + _linear(a, L.w_o, L.b_o, prec)
+        x = x + _linear(a, L.o, prec)
         h = rms_norm(x, L.ln2, shape.eps)
-        g, u = _linear(h, L.w_gate_up, None, prec).chunk(2, dim=-1)  # [B, T, I] each
-        x = x + _linear(F.silu(g) * u, L.w_down, None, prec)
+        g, u = _linear(h, L.gate_up, prec).chunk(2, dim=-1)  # [B, T, I] each
+        x = x + _linear(F.silu(g) * u, L.down, prec)
     return rms_norm(x[:, -1], w.norm, shape.eps)  # [B, H]
 
 
@@ -250,4 +265,4 @@ def lm_head(w: Weights, prec: Precision, hidden: torch.Tensor) -> torch.Tensor:
     """[B, H] -> fp32 logits [B, V] (activation hook only when lm_head is quantized too)."""
     if prec.act is not None and prec.quantize_lm_head:
         hidden = prec.act(hidden)
-    return F.linear(hidden, w.lm_head).float()
+    return w.lm_head(hidden).float()
