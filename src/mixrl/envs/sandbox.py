@@ -44,6 +44,17 @@ host's major.minor version (else the host's base interpreter, bound read only
 at its own path because of its rpath), and ``pytest`` with its pure-Python
 dependencies is bound read only under ``/opt/pysite`` (on ``PYTHONPATH``).
 
+Disk: ``RLIMIT_FSIZE`` bounds each file and the size of ``/testbed`` is
+checked (by ``lstat``) after every command (``killed_by == "disk"``); within
+one command a model could still write until the wall-clock limit. Where that
+matters, put the episodes (``tmp_root``) on a size-limited filesystem; a
+tmpfs such as ``/dev/shm`` also makes create/close much faster than a busy
+disk, at the price of memory.
+
+Host paths bound read only (``/usr``, pytest under the venv, the grader's
+files) must be readable by the sandbox uid, or every command fails with
+``SandboxError``.
+
 Failures of ours (``bwrap`` missing, a mount that fails) raise
 ``SandboxError``: the environment turns them into ``infra_failed``, never a
 reward of 0. Anything the model can cause (a crash, a timeout, a full disk,
@@ -63,10 +74,12 @@ import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 SANDBOX_UID = 65534  # host uid the sandbox runs as when we are root (nobody)
 INNER_UID = 1000  # uid seen inside the sandbox
 WORKDIR = "/testbed"  # the repository inside the sandbox
@@ -190,14 +203,14 @@ def _tree_size(root: str) -> tuple[int, int]:
     return total, entries
 
 
-async def _maybe_thread(small: bool, fn, *args):  # type: ignore[no-untyped-def]
+async def _maybe_thread(small: bool, fn: Callable[..., T], *args: Any) -> T:
     """Run ``fn`` inline when the tree is small (a thread hop costs more than the work under
     load), else in a worker thread so a large tree does not stall the event loop."""
     return fn(*args) if small else await asyncio.to_thread(fn, *args)
 
 
 def _rmtree(path: str) -> None:
-    def retry(func, p, _exc):  # type: ignore[no-untyped-def]
+    def retry(func: Callable[[str], object], p: str, _exc: object) -> None:
         # The model may have removed write permission from its own directories.
         try:
             os.chmod(os.path.dirname(p), 0o700)
@@ -298,12 +311,12 @@ class Sandbox:
             os.write(args_w, data)
             os.close(args_w)
             args_w = -1
-            extra = {"user": self.uid, "group": self.uid, "extra_groups": []} if self.uid is not None else {}
             # env={}: bwrap's init (pid 1 inside) keeps bwrap's environment, readable in /proc/1/environ.
             proc = await asyncio.create_subprocess_exec(
                 _runtime().bwrap, "--args", str(args_r), *command, stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-                pass_fds=(wfd, args_r), env={}, **extra)
+                pass_fds=(wfd, args_r), env={}, user=self.uid, group=self.uid,
+                extra_groups=[] if self.uid is not None else None)
         except OSError as e:
             os.close(rfd)
             raise SandboxError(f"cannot start bwrap: {e}") from e
@@ -380,7 +393,7 @@ class Sandbox:
         text edits only. Raises ``DiffError`` when the diff is over
         ``diff_bytes`` or times out (the model's doing), ``SandboxError`` on ours.
         """
-        res = await self._exec(["/usr/bin/python3", "-I", "-S", "-c", _TREEDIFF, ",".join(DIFF_EXCLUDES)],
+        res = await self._exec([_runtime().python, "-I", "-S", "-c", _TREEDIFF, ",".join(DIFF_EXCLUDES)],
                                [(self.snapshot, "/d/a", False), (self.work, "/d/b", False)], "/d",
                                self.limits.wall_seconds, self.limits.diff_bytes + 1)
         if res.timed_out or res.truncated or len(res.output) > self.limits.diff_bytes:
@@ -424,7 +437,7 @@ def _read_available(fd: int) -> str:
 
 
 # Run inside the diff sandbox (cwd holds a/ = snapshot, b/ = work), by the
-# system Python with -I -S. Walks both trees without following links and asks
+# sandbox's Python with -I -S. Walks both trees without following links and asks
 # GNU diff for each changed regular text file; stderr is discarded.
 _TREEDIFF = r"""
 import fnmatch, os, stat, subprocess, sys

@@ -32,12 +32,13 @@ import json
 import os
 import shutil
 import sys
+from typing import Any
 
 TESTBED = "/testbed"
 PYSITE = "/opt/pysite"  # pytest, bound read only (-I ignores PYTHONPATH)
 
 
-def _write(path: str, obj: dict) -> None:
+def _write(path: str, obj: dict[str, Any]) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f)
@@ -66,7 +67,7 @@ class _Collector:
     def __init__(self) -> None:
         self.tests: dict[str, str] = {}
 
-    def pytest_runtest_logreport(self, report) -> None:  # type: ignore[no-untyped-def]
+    def pytest_runtest_logreport(self, report: Any) -> None:
         prev = self.tests.get(report.nodeid)
         if report.failed:
             self.tests[report.nodeid] = "error" if report.when != "call" else "failed"
@@ -76,7 +77,7 @@ class _Collector:
         elif report.when == "call" and prev is None:
             self.tests[report.nodeid] = "xpassed" if hasattr(report, "wasxfail") else "passed"
 
-    def pytest_collectreport(self, report) -> None:  # type: ignore[no-untyped-def]
+    def pytest_collectreport(self, report: Any) -> None:
         if report.failed:
             self.tests[report.nodeid or "<collection>"] = "error"
 

@@ -50,8 +50,9 @@ class Malformed:
 def _from_json(obj: object, pos: int) -> ToolCall | Malformed | None:
     if not isinstance(obj, dict):
         return None
-    if isinstance(obj.get("function"), dict):  # {"type": "function", "function": {...}}
-        obj = obj["function"]
+    fn = obj.get("function")
+    if isinstance(fn, dict):  # {"type": "function", "function": {...}}
+        obj = fn
     if "name" not in obj:
         return None
     name, args = obj.get("name"), obj.get("arguments", obj.get("parameters", {}))
