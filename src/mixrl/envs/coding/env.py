@@ -81,7 +81,7 @@ class CodingEnv(Env):
             raise ValueError(f"CodingEnv.command_timeout must be > 0, got {command_timeout}")
         if max_output_chars < 64:
             raise ValueError(f"CodingEnv.max_output_chars must be >= 64, got {max_output_chars}")
-        for key in ("repo_dir", "tests_dir", "problem_statement", "test_files", "FAIL_TO_PASS"):
+        for key in ("repo_dir", "tests_dir", "problem_statement", "test_command", "test_files", "FAIL_TO_PASS"):
             if key not in task.data:
                 raise ValueError(f"CodingEnv: task {task.prompt_id!r} has no data[{key!r}]")
         self.task = task
@@ -99,7 +99,8 @@ class CodingEnv(Env):
         await self.close()
         self.tracker = TurnTracker(self.tracker.max_turns, self.tracker.max_no_tool)
         self.sandbox = await Sandbox.create(self.task.data["repo_dir"], self.limits)
-        user = f"{self.task.data['problem_statement'].strip()}\n\n{NUDGE}"
+        d = self.task.data
+        user = f"{d['problem_statement'].strip()}\n\nThe tests run with: {d['test_command']}\n{NUDGE}"
         return self.chat.prompt(user, system=SYSTEM)
 
     async def _grade(self, close: list[int], status: str, info: dict[str, Any]) -> StepResult:

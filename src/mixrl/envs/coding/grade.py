@@ -65,7 +65,7 @@ class GradeResult:
 def _read_results(path: str) -> dict[str, Any] | None:
     """The runner's JSON, opened without following links and size-capped."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a fifo must not block us
     except OSError:
         return None
     try:
