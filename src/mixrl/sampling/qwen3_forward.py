@@ -202,7 +202,7 @@ def _linear(x: torch.Tensor, lin: PackedLinear, prec: Precision) -> torch.Tensor
 
 def _decode_attention(
     q: torch.Tensor,  # [B, 1, Hq, D] one query per row
-    k: torch.Tensor,  # [B, Hkv, S, D] cached keys (a prefix view of the cache)
+    kt: torch.Tensor,  # [B, Hkv, D, S] cached keys, transposed (a prefix view of the cache)
     v: torch.Tensor,  # [B, Hkv, S, D]
     bias: torch.Tensor | None,  # [B, 1, 1, S] additive: 0 or -inf (left padding); None = no padding
 ) -> torch.Tensor:
@@ -211,9 +211,9 @@ def _decode_attention(
     materializing repeated keys. Scores in the compute dtype, softmax in fp32, as
     HF's eager path."""
     B, _, Hq, D = q.shape
-    Hkv = k.shape[1]
+    Hkv = kt.shape[1]
     qg = q.view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
-    s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G, S]
+    s = torch.matmul(qg, kt)  # [B, Hkv, G, S]
     s = s.mul_(D**-0.5) if bias is None else torch.add(bias, s, alpha=D**-0.5)  # bias + s / sqrt(D)
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(p, v).view(B, 1, Hq * D)  # [B, Hkv, G, D] -> [B, 1, Hq D]
@@ -249,10 +249,11 @@ def forward(
         q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], heads[:, :, Hq + Hkv :]  # [B, T, h, D]
         keys, vals = cache.write(li, col0, k.transpose(1, 2), v.transpose(1, 2))
         if T == 1:  # decode: grouped heads share their kv head, no repeat (see _decode_attention)
-            a = _decode_attention(q, keys[:, :, :end], vals[:, :, :end], mask)  # [B, 1, Hq D]
+            a = _decode_attention(q, keys[..., :end], vals[:, :, :end], mask)  # [B, 1, Hq D]
         else:
             a = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys[:, :, :end], vals[:, :, :end], attn_mask=mask, enable_gqa=Hq != Hkv
+                q.transpose(1, 2), keys[..., :end].transpose(-1, -2), vals[:, :, :end],
+                attn_mask=mask, enable_gqa=Hq != Hkv,
             ).transpose(1, 2).reshape(B, T, Hq * D)  # [B, T, Hq D]
         x = x + _linear(a, L.o, prec)
         h = rms_norm(x, L.ln2, shape.eps)
