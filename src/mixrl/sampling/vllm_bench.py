@@ -71,8 +71,11 @@ def bench_vllm(
     profile: Any = "cpu-vllm-fp32",
     num_threads: int | None = None,
     seed: int = 0,
+    stop_on_eos: bool = False,
 ) -> dict[str, float]:
-    """See the module doc. ``profile``: a Profile or a name in the vLLM catalogue."""
+    """See the module doc. ``profile``: a Profile or a name in the vLLM catalogue. EOS
+    does not stop a row by default, so every row generates ``max_new_tokens`` as the
+    built-in and HF sides of ``mixrl bench sampler`` do."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -85,8 +88,9 @@ def bench_vllm(
         profile = load_profiles(vllm_profiles_path())[profile]
     t0 = time.perf_counter()
     eng = VLLMEngine(
-        model_path, profile, "bench", seed=seed, max_batch=len(prompts), num_threads=num_threads
-    )
+        model_path, profile, "bench", seed=seed, max_batch=len(prompts),
+        num_threads=num_threads, stop_on_eos=stop_on_eos,
+    )  # fmt: skip
     startup = time.perf_counter() - t0
     try:
         warm = replace(params, max_new_tokens=min(4, params.max_new_tokens))

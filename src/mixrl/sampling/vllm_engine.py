@@ -223,6 +223,10 @@ class VLLMEngine(Engine):
         self.last_update_s = 0.0
         if self._round is not None:  # the first load kept full-precision weights: round them now
             self._reload_tensors(read_checkpoint(model_path))
+        # The first generate pays seconds of lazy set-up: pay it here, before taking traffic.
+        warm = vllm.SamplingParams(max_tokens=2, logprobs=1, seed=0, detokenize=False)
+        with _torch_threads(num_threads):
+            self._llm.generate([{"prompt_token_ids": [0]}], warm, use_tqdm=False)
 
     # ------------------------------------------------------------------ start-up
     def _start(self, vllm: Any, kv_cache_bytes: int) -> Any:
