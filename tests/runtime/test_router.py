@@ -32,6 +32,9 @@ def test_sticky_and_least_loaded() -> None:
     second = r.pick("t")
     assert second.name != first.name
     assert all(r.pin("s") == "a" for _ in range(10))
+    assert all(r.pick("s").name == first.name for _ in range(5))  # sticky replica
+    r.set_state(first.name, FAILED)
+    assert r.pick("s").name != first.name
 
 
 def test_only_ready_replicas_and_repin_after_failure() -> None:

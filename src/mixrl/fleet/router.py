@@ -7,7 +7,8 @@ proportional to the group's serving capacity
 
 so over many sessions each group serves a steady share of the samples. Inside
 the group the session goes to the replica with the fewest requests in flight.
-The pin is sticky: later turns of the session go to the same group. When every
+Both pins are sticky: later turns of the session go to the same replica while
+it serves, else to the least-loaded replica of the same group. When every
 replica of the pinned group is gone, the session is re-pinned (capacity-
 weighted again, among the groups that still serve).
 
@@ -53,6 +54,7 @@ class Router:
         self.throughput = dict(throughput)
         self.replicas: dict[str, ReplicaInfo] = {}
         self.pins: dict[str, str] = {}  # session id -> group
+        self.replica_pins: dict[str, str] = {}  # session id -> replica it last used
         self._rng = random.Random(seed)
 
     # -- replicas -------------------------------------------------------------
@@ -95,8 +97,22 @@ class Router:
         return g
 
     def pick(self, session: str, exclude: set[str] = frozenset()) -> ReplicaInfo:  # type: ignore[assignment]
-        """Least-loaded ready replica of the session's group (ties: fewest served, then name)."""
+        """The session's replica: the one it used before while that one is ready, else the
+        least-loaded ready replica of its group (ties by name).
+
+        Keeping a session on one replica keeps its prefix warm there, and makes the batches
+        a replica forms independent of timing elsewhere (sync runs are reproducible)."""
         group = self.pin(session)
+        prev = self.replica_pins.get(session)
+        if prev is not None and prev not in exclude:
+            info = self.replicas.get(prev)
+            if info is not None and info.state == READY and info.group == group:
+                return info
+        chosen = self._least_loaded(session, group, exclude)
+        self.replica_pins[session] = chosen.name
+        return chosen
+
+    def _least_loaded(self, session: str, group: str, exclude: set[str]) -> ReplicaInfo:
         cands = [r for r in self.ready(group) if r.name not in exclude]
         if not cands:  # only excluded replicas left in the pinned group: try another group
             others = [r for r in self.ready() if r.name not in exclude]
@@ -109,11 +125,12 @@ class Router:
             group = self._rng.choices(groups, weights=[cap[k] for k in groups])[0]
             self.pins[session] = group
             cands = [r for r in others if r.group == group]
-        return min(cands, key=lambda r: (r.inflight, r.served, r.name))
+        return min(cands, key=lambda r: (r.inflight, r.name))
 
     def release(self, session: str) -> None:
-        """The session ended: forget its pin."""
+        """The session ended: forget its pins."""
         self.pins.pop(session, None)
+        self.replica_pins.pop(session, None)
 
     def inflight(self, group: str | None = None) -> int:
         return sum(r.inflight for r in self.replicas.values() if group is None or r.group == group)

@@ -30,7 +30,7 @@ PER_GROUP = (
     "share/samples",
     "share/oob_tokens",
 )
-REQUIRED = PER_GROUP + (
+REQUIRED = tuple(m for m in PER_GROUP if not m.startswith("share/")) + (  # shares exist per group only
     "policy/tv",
     "corr/masked_frac",
     "corr/truncated_frac",

@@ -35,11 +35,10 @@ async def save(orch: Orchestrator) -> Path | None:
 
     trainer = await orch.trainer.state()
     # -- from here on, no await until the payload is complete: one consistent instant
-    payload: dict[str, Any] = {
+    orchestrator: dict[str, Any] = {
         "format": FORMAT,
         "step": orch.step,
         "config": orch.cfg.model_dump(mode="json"),
-        "trainer": trainer,
         "task_source": orch.task_source.state_dict(),
         "buffer": orch.buffer.state_dict(),
         "inflight": orch.sessions.partials(),
@@ -49,7 +48,8 @@ async def save(orch: Orchestrator) -> Path | None:
         "timers": dict(orch.timers),
         "samples": orch.samples,
     }
-    return save_checkpoint(Path(orch.cfg.observe.run_dir), orch.step, payload)
+    # two parts: tensors (trainer) and plain data (everything the orchestrator holds)
+    return save_checkpoint(Path(orch.cfg.observe.run_dir), orch.step, {"trainer": trainer, "orchestrator": orchestrator})
 
 
 def load(run_dir: str | Path) -> dict[str, Any] | None:
@@ -59,9 +59,10 @@ def load(run_dir: str | Path) -> dict[str, Any] | None:
     got = load_latest(Path(run_dir))
     if got is None:
         return None
-    payload = got[1] if isinstance(got, tuple) else got
+    payload = dict(got["orchestrator"])
     if payload.get("format") != FORMAT:
         raise ValueError(f"checkpoint in {run_dir} has format {payload.get('format')}, expected {FORMAT}")
+    payload["trainer"] = got["trainer"]
     return payload
 
 

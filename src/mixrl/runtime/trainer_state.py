@@ -29,6 +29,8 @@ def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any) -> tuple[Any, 
     trainer = Trainer(
         model,
         loss_cfg,
+        seed=cfg.runtime.seed,
+        pad_id=tok.pad_token_id if tok.pad_token_id is not None else 0,
         lr=o.lr,
         weight_decay=o.weight_decay,
         grad_clip=o.grad_clip,
@@ -51,7 +53,9 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
             "optimizer": trainer.optimizer.state_dict(),
             "version": int(trainer.version),
         }
-    state["rng"] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    py = random.getstate()
+    # the trainer's own process (a Ray actor has its own RNGs): plain containers only
+    state["rng"] = {"torch": torch.get_rng_state(), "python": [py[0], list(py[1]), py[2]]}
     return state
 
 

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import dataclasses
 import math
+import threading
 from typing import Any
 
 from mixrl.config.run import RunConfig
@@ -24,6 +25,15 @@ from mixrl.fleet.handles import SamplerHandle
 from mixrl.rollout.types import Trajectory
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
+
+# Loading an HF model swaps global module state (meta-device initialisation), so two
+# loads in two threads at once can leave one model with meta tensors: one at a time.
+_LOAD_LOCK = threading.Lock()
+
+
+def _locked(fn: Any, *args: Any, **kw: Any) -> Any:
+    with _LOAD_LOCK:
+        return fn(*args, **kw)
 
 
 def group_profile(cfg: RunConfig, group: str) -> Any:
@@ -135,7 +145,7 @@ class InProcessBackend(Backend):
     async def make_trainer(self) -> TrainerHandle:
         from mixrl.runtime.trainer_state import build_trainer
 
-        trainer, tok = await asyncio.to_thread(build_trainer, self.cfg, self.model_path, self.loss_cfg)
+        trainer, tok = await asyncio.to_thread(_locked, build_trainer, self.cfg, self.model_path, self.loss_cfg)
         return InProcessTrainer(trainer, tok)
 
     async def make_sampler(self, group: str, name: str) -> SamplerHandle:
@@ -144,7 +154,7 @@ class InProcessBackend(Backend):
 
         prof = group_profile(self.cfg, group)
         seed = replica_seed(self.cfg.runtime.seed, name)
-        engine = await asyncio.to_thread(make_engine, self.model_path, prof, group, seed=seed)
+        engine = await asyncio.to_thread(_locked, make_engine, self.model_path, prof, group, seed=seed)
         h = InProcessSampler(name, group, BatchingSampler(engine))
         self.samplers[name] = h
         return h
