@@ -129,6 +129,7 @@ class BuiltinEngine(Engine):
         self.eos_ids = _eos_ids(model_path, cfg) if stop_on_eos else frozenset()
         self.pad_id = 0  # any in-vocabulary id: padded columns are masked out
         self._seen = 0  # requests seen, for default per-request seeds
+        self._vocab_ids = list(range(self.shape.vocab))  # the support when nothing is truncated
         with torch.inference_mode():
             hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             self._weights = qf.build_weights(hf.state_dict(), self.shape, self.prec, self.max_context, max_batch)
@@ -261,9 +262,15 @@ class BuiltinEngine(Engine):
         """Append this step's candidates of q to every running row (vectorized per kind)."""
         sup = [j for j, r in enumerate(live) if rows[r].finish is None and rows[r].req.params.record == "support"]
         head = [j for j, r in enumerate(live) if rows[r].finish is None and rows[r].req.params.head_k > 0]
-        if sup:
+        if sup and keep is None:  # whole vocabulary: ids are 0..V-1, only the values vary
+            vals = (logq if len(sup) == len(live) else logq[torch.tensor(sup)]).tolist()
+            for j, v in zip(sup, vals, strict=True):
+                row = rows[live[j]]
+                row.cids.extend(self._vocab_ids)
+                row.clps.extend(v)
+        elif sup:
             sel = torch.tensor(sup)
-            m = keep[sel] if keep is not None else torch.ones(len(sup), logq.shape[1], dtype=torch.bool)
+            m = keep[sel]
             counts = m.sum(1).tolist()
             cols = m.nonzero()[:, 1].tolist()
             vals = logq[sel][m].tolist()
