@@ -145,8 +145,34 @@ def load_prompts(
     return rows[:n], ()
 
 
+def _trainer_log_softmax(
+    model: Any, seqs: list[list[int]], starts: list[int], temperature: float, batch: int
+) -> list[Any]:
+    """log softmax(z/T) rows predicting ``seq[start:]`` for each sequence: [len - start, V] fp32.
+
+    Sequences are right-padded in batches: causal attention keeps every real
+    position blind to the padding after it, so padding changes no score."""
+    import torch
+
+    dev = next(model.parameters()).device
+    rows: list[Any] = []
+    for b in range(0, len(seqs), batch):
+        chunk = seqs[b : b + batch]
+        width = max(len(x) for x in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)  # [B, W], 0 = any in-vocab id
+        att = torch.zeros(len(chunk), width, dtype=torch.long)
+        for j, x in enumerate(chunk):
+            ids[j, : len(x)], att[j, : len(x)] = torch.tensor(x), 1
+        with torch.inference_mode():
+            logits = model(input_ids=ids.to(dev), attention_mask=att.to(dev)).logits  # [B, W, V]
+        for j, x in enumerate(chunk):
+            z = logits[j, starts[b + j] - 1 : len(x) - 1].float().cpu()  # [G, V]
+            rows.append(torch.log_softmax(z / temperature, dim=-1))
+    return rows
+
+
 def score_support(
-    model: Any, prompts: list[list[int]], results: list[Any], temperature: float
+    model: Any, prompts: list[list[int]], results: list[Any], temperature: float, batch: int = 32
 ) -> dict[str, Any]:
     """Trainer log p̃ of each sampled token and of each recorded candidate, float64.
 
@@ -156,17 +182,14 @@ def score_support(
     """
     import torch
 
+    keep = [i for i, r in enumerate(results) if r.token_ids]
+    seqs = [prompts[i] + results[i].token_ids for i in keep]
+    lsms = _trainer_log_softmax(model, seqs, [len(prompts[i]) for i in keep], temperature, batch)
     logp, logq, clp, clq, offs, seq = [], [], [], [], [torch.zeros(1, dtype=torch.long)], []
     base = 0
-    dev = next(model.parameters()).device
-    for i, (prompt, res) in enumerate(zip(prompts, results, strict=True)):
-        g = len(res.token_ids)
-        if g == 0:
-            continue
-        ids = torch.tensor([prompt + res.token_ids], device=dev)  # [1, P+G]
-        with torch.inference_mode():
-            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [G, V]
-        lsm = torch.log_softmax(logits.float() / temperature, dim=-1).double()  # [G, V]
+    for i, lsm in zip(keep, lsms, strict=True):
+        res, g = results[i], len(results[i].token_ids)
+        lsm = lsm.double()  # [G, V]
         o = torch.tensor(res.cand_offsets, dtype=torch.long)  # [G+1]
         cid = torch.tensor(res.cand_ids, dtype=torch.long)  # [K_i]
         pos = torch.repeat_interleave(torch.arange(g), o[1:] - o[:-1])  # [K_i]
