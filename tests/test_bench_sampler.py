@@ -47,7 +47,7 @@ def test_bench_json_fields(model_dir, capsys):
                             "--new-tokens", "6", "--repeats", "1", "--threads", "1", "--no-vllm"))  # fmt: skip
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("builtin_tok_s", "hf_tok_s", "builtin_support_tok_s"):
+    for key in ("builtin_tok_s", "hf_tok_s", "builtin_support_tok_s", "builtin_cpu_tok_s", "hf_cpu_tok_s"):
         assert out[key] > 0
     assert out["builtin_over_hf"] == pytest.approx(out["builtin_tok_s"] / out["hf_tok_s"], rel=1e-2)
     assert out["builtin_peak_mb"] is not None and out["builtin_peak_mb"] >= 0

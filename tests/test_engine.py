@@ -350,6 +350,10 @@ def test_load_weights_versions_prefixes_and_missing_names(untied):
     engine.load_weights(sd, version=12)
     (after,) = engine.generate_batch([req])
     assert after.version == engine.version == 12 and after.cand_logprobs != before.cand_logprobs
+    for v in sd.values():  # the trainer steps in place: the served version must not move
+        v.mul_(0.5)
+    (again,) = engine.generate_batch([req])
+    assert again.cand_logprobs == after.cand_logprobs
     del sd["_orig_mod.model.layers.1.mlp.down_proj.weight"]
     with pytest.raises(KeyError, match="model.layers.1.mlp.down_proj.weight"):
         engine.load_weights(sd, version=13)

@@ -10,7 +10,10 @@ parameters); ``model`` in the JSON says which.
 
 Throughput: both run in this process, interleaved, ``--repeats`` times each
 after one warm-up; the best run of each is reported (the machine is shared, so
-the best run is the least disturbed one). The built-in engine records no
+the best run is the least disturbed one). ``*_tok_s`` divide by wall time;
+``*_cpu_tok_s`` by the CPU time this process used, which other processes on a
+busy machine disturb much less (with several threads it also counts their
+spin-waiting, so compare it at ``--threads 1``). The built-in engine records no
 candidates (``record="none"``, as ``generate`` returns none);
 ``builtin_support_tok_s`` is the same run recording the full support.
 
@@ -187,8 +190,11 @@ def vllm_fields(path: str, prompts: list[list[int]], new: int) -> dict[str, Any]
     return out
 
 
-def throughput(engine: Any, hf: Any, prompts: list[list[int]], new: int, repeats: int) -> dict[str, float]:
-    """Best generated tokens/s of each side over ``repeats`` interleaved runs (one warm-up)."""
+def throughput(
+    engine: Any, hf: Any, prompts: list[list[int]], new: int, repeats: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Best generated tokens per wall second and per CPU second (this process, all
+    threads) of each side over ``repeats`` interleaved runs, after one warm-up."""
     runs: dict[str, Any] = {
         "builtin": lambda: _builtin_run(engine, prompts, new, "none"),
         "support": lambda: _builtin_run(engine, prompts, new, "support"),
@@ -196,13 +202,14 @@ def throughput(engine: Any, hf: Any, prompts: list[list[int]], new: int, repeats
     }
     runs["builtin"]()  # warm-up: allocator, lazy initialisation
     runs["hf"]()
-    best = dict.fromkeys(runs, 0.0)
+    best, best_cpu = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0.0)
     for _ in range(repeats):
         for name, fn in runs.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             n = fn()
             best[name] = max(best[name], n / (time.perf_counter() - t))
-    return best
+            best_cpu[name] = max(best_cpu[name], n / max(time.process_time() - c, 1e-9))
+    return best, best_cpu
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -215,7 +222,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         engine, hf = _builtin(path, args.threads), _hf(path)
         prompts = _prompts(engine.shape.vocab, args.batch, args.prompt_len, args.seed)
         new = args.new_tokens
-        best = throughput(engine, hf, prompts, new, args.repeats)
+        best, cpu = throughput(engine, hf, prompts, new, args.repeats)
         out: dict[str, Any] = {
             "model": desc,
             "params": sum(p.numel() for p in hf.parameters()),
@@ -225,6 +232,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "builtin_support_tok_s": round(best["support"], 1),
             "hf_tok_s": round(best["hf"], 1),
             "builtin_over_hf": round(best["builtin"] / best["hf"], 3),
+            "builtin_cpu_tok_s": round(cpu["builtin"], 1),
+            "hf_cpu_tok_s": round(cpu["hf"], 1),
+            "builtin_over_hf_cpu": round(cpu["builtin"] / cpu["hf"], 3),
         }  # fmt: skip
         del engine, hf
         if not args.no_memory:

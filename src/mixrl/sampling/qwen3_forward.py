@@ -124,7 +124,8 @@ def build_weights(
     def get(name: str) -> torch.Tensor:
         if name not in sd:
             raise KeyError(f"state_dict has no {name!r} (expected HF Qwen3 parameter names)")
-        return sd[name].detach().to(torch.float32)
+        # a copy: the trainer may update its tensors in place while this version serves
+        return sd[name].detach().to(torch.float32, copy=True)
 
     def lin(name: str) -> torch.Tensor:  # a Linear weight: quantize in fp32, then cast
         return prec.weight(get(name)).to(dt)
