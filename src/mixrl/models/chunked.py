@@ -227,7 +227,8 @@ def naive_logprobs(hidden: Tensor, weight: Tensor, targets: Tensor, *, bias: Ten
         t = torch.as_tensor(temperature, dtype=acc, device=hidden.device).expand(hidden.shape[0])
         logits = logits / t[:, None]
     logp = F.log_softmax(logits, dim=-1)  # [N, V]
+    del logits  # log_softmax's backward needs only its output
     with torch.no_grad():
-        ent = -(logp.exp() * logp).sum(-1)
+        ent = -torch.linalg.vecdot(logp.exp(), logp)  # one [N, V] temporary
     lp = logp.gather(1, targets.long()[:, None]).squeeze(1)
     return TokenLogprobs(lp, ent, lp.new_zeros(0))
