@@ -332,6 +332,8 @@ def test_nonfinite_logits_end_one_request_as_numerical_error(untied):
     assert "non-finite" in bad.error and bad.cand_offsets == [0]
     assert good.finish_reason == "length" and all(math.isfinite(v) for v in good.logprobs + good.cand_logprobs)
     assert good.version == bad.version == 3
+    (hot,) = engine.generate_batch([GenerationRequest([1, 2], SamplingParams(max_new_tokens=5, temperature=1e-45))])
+    assert hot.finish_reason == "numerical_error" and hot.num_nonfinite > 0  # logits / T overflow
     sd["lm_head.weight"][9] = float("inf")  # one infinite logit in every row
     engine.load_weights(sd, version=4)
     out = engine.generate_batch([GenerationRequest([1, 2], SamplingParams(max_new_tokens=5))])

@@ -16,9 +16,10 @@ with its own seed gives the same tokens in any batch.
 Edge cases, each failing one request and never the batch:
 - empty prompt or an id outside the vocabulary -> ``finish_reason="error"``;
 - prompt length >= ``max_context`` (no room for one token) -> ``"context_exceeded"``;
-- a non-finite logit in a row -> that request ends ``"numerical_error"`` with
-  ``num_nonfinite`` counted; its last token is not emitted, so no NaN log-prob
-  ever leaves the engine.
+- a non-finite logit in a row (counted after the temperature division, which can
+  overflow) -> that request ends ``"numerical_error"`` with ``num_nonfinite``
+  counted; that step's token is not emitted, so no NaN log-prob ever leaves the
+  engine. The other rows of the batch are unaffected (attention never mixes rows).
 Generation ends with ``"stop"`` after emitting a stop id (``params.stop_ids``, plus
 the model's EOS ids unless ``stop_on_eos=False``) and with ``"length"`` after
 ``max_new_tokens`` or when prompt + output reaches ``max_context``.
@@ -220,7 +221,8 @@ class BuiltinEngine(Engine):
 
         for s in range(N):
             logits = qf.lm_head(w, prec, hidden)  # [b, V] fp32
-            nonfinite = (~torch.isfinite(logits)).sum(dim=1)  # [b]
+            # counted after temperature: finite logits can still overflow at a tiny temperature
+            nonfinite = (~torch.isfinite(logits / temp[:, None])).sum(dim=1)  # [b]
             if bool(nonfinite.any()):
                 logits = torch.where((nonfinite > 0)[:, None], 0.0, logits)  # keep the math finite
             logq, keep = sampling_logprobs(logits, temp, topk, topp)
