@@ -62,6 +62,8 @@ def repo(tmp_path_factory):  # type: ignore[no-untyped-def]
     (d / "pkg").mkdir()
     (d / "pkg" / "a.py").write_text("x = 1\n")
     (d / "README").write_text("hello\n")
+    (d / ".git").mkdir()  # history must not reach an episode
+    (d / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
     os.chmod(d, 0o755)
     return d
 
@@ -104,6 +106,7 @@ def test_run_persist_diff_close(repo):  # type: ignore[no-untyped-def]
         await sb.run("sed -i 's/x = 1/x = 2/' pkg/a.py && echo new > pkg/b.py && rm README && "
                      "python -c 'import pkg.a' && mkdir -p q/__pycache__ && echo c > q/__pycache__/z.pyc")
         assert (await sb.run("cat pkg/b.py")).output == "new\n"  # files persist between commands
+        assert (await sb.run("ls -A")).output.split() == ["pkg", "q"]  # no .git copied
         d = await sb.diff()
         assert "--- a/pkg/a.py\n+++ b/pkg/a.py\n" in d and "-x = 1\n+x = 2\n" in d
         assert "+++ b/pkg/b.py" in d and "--- a/README" in d and "pycache" not in d

@@ -252,8 +252,10 @@ class Sandbox:
         try:
             os.chmod(root, 0o711)  # the sandbox uid may traverse, not list
             sb = cls(root, limits, uid)
-            shutil.copytree(src, sb.snapshot, symlinks=True)
-            shutil.copytree(src, sb.work, symlinks=True)
+            # Version-control history never enters an episode (it could hold the fix).
+            skip = shutil.ignore_patterns(".git", ".hg", ".svn")
+            shutil.copytree(src, sb.snapshot, symlinks=True, ignore=skip)
+            shutil.copytree(src, sb.work, symlinks=True, ignore=skip)
             for top, owner in ((sb.snapshot, None), (sb.work, uid)):
                 for dirpath, dirnames, filenames in os.walk(top):
                     for n in [""] + dirnames + filenames:
