@@ -36,6 +36,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=8, help="G: samples per prompt")
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
     parser.add_argument("--out", default=None, help="keep the run directories here")
+    parser.add_argument("--model", default="bundled", help='policy: "bundled" or an HF directory')
 
 
 def _cfg(base: list[str], run_dir: Path, extra: list[str]) -> Any:
@@ -150,10 +151,10 @@ def main(args: argparse.Namespace) -> int:
     from mixrl.models.policy import resolve
 
     out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="mixrl-bench-e2e-"))
-    base = [f"runtime.steps={args.steps}", f"rollout.prompts_per_step={args.prompts}",
+    base = [f'model.path="{args.model}"', f"runtime.steps={args.steps}", f"rollout.prompts_per_step={args.prompts}",
             f"rollout.group_size={args.group_size}", "runtime.checkpoint_every=0",
             "runtime.eval.enabled=false", "observe.tensorboard=false", "observe.progress=false"]
-    model_path = str(resolve("bundled"))
+    model_path = str(resolve(args.model))
     res: dict[str, Any] = {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size}
     sync = run_mixrl(base, out_root / "sync", ['runtime.mode="sync"'])
     asyn = run_mixrl(base, out_root / "async", ['runtime.mode="async"'])

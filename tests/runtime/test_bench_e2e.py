@@ -1,0 +1,26 @@
+"""``mixrl bench e2e --json`` on a tiny policy: one JSON object with the headline ratios."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from mixrl.bench import e2e
+
+
+def test_bench_e2e_json(tiny_policy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = argparse.ArgumentParser()
+    e2e.configure(p)
+    args = p.parse_args(["--json", "--steps", "3", "--prompts", "2", "--group-size", "2", "--no-trl",
+                         "--model", str(tiny_policy), "--out", str(tmp_path)])
+    assert e2e.main(args) == 0
+    res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("async_over_sync", "trainer_idle_frac", "mixrl_over_trl", "publish_over_copy"):
+        assert key in res
+    assert res["async_over_sync"] > 0 and 0 <= res["trainer_idle_frac"] <= 1
+    assert res["publish_s"] > 0 and res["copy_s"] > 0
+    assert res["trl"]["available"] is False and res["mixrl_over_trl"] is None
+    assert res["sync"]["steps"] == res["async"]["steps"] == 3
