@@ -333,6 +333,19 @@ def test_huge_file_and_disk(repo):  # type: ignore[no-untyped-def]
     r = arun(_one(repo, "for i in $(seq 30); do head -c 200000 /dev/zero > f$i; done", disk_bytes=2 << 20))
     record("disk filling with many files", "size of /testbed checked", r.killed_by == "disk", f"killed_by={r.killed_by}")
 
+    async def endless():  # type: ignore[no-untyped-def]
+        sb = await Sandbox.create(repo, SandboxLimits(disk_bytes=4 << 20))
+        try:
+            t0 = time.perf_counter()
+            r = await sb.run("i=0; while :; do i=$((i+1)); head -c 500000 /dev/zero > f$i; done", timeout=30)
+            return r, time.perf_counter() - t0, sbmod._tree_size(sb.work)[0]
+        finally:
+            await sb.close()
+
+    r, dt, size = arun(endless())
+    record("disk filling, endless writer", "size polled while running", r.killed_by == "disk" and not r.timed_out
+           and dt < 15 and size < 256 << 20, f"killed after {dt:.1f}s at {size >> 20} MiB (limit 4 MiB)")
+
 
 def test_symlink_escape(repo, tmp_path):  # type: ignore[no-untyped-def]
     secret = tmp_path / "secret.txt"

@@ -44,10 +44,12 @@ host's major.minor version (else the host's base interpreter, bound read only
 at its own path because of its rpath), and ``pytest`` with its pure-Python
 dependencies is bound read only under ``/opt/pysite`` (on ``PYTHONPATH``).
 
-Disk: ``RLIMIT_FSIZE`` bounds each file and the size of ``/testbed`` is
-checked (by ``lstat``) after every command (``killed_by == "disk"``); within
-one command a model could still write until the wall-clock limit. Where that
-matters, put the episodes (``tmp_root``) on a size-limited filesystem; a
+Disk: ``RLIMIT_FSIZE`` bounds each file, and the size of ``/testbed`` is
+checked (by ``lstat``) every ``DISK_POLL_S`` while a command runs and once
+after it; past ``disk_bytes`` the command is killed (``killed_by == "disk"``).
+Between two polls a command can still overshoot by what it writes in that
+time. For a hard bound, put the episodes (``tmp_root``) on a size-limited
+filesystem; a
 tmpfs such as ``/dev/shm`` also makes create/close much faster than a busy
 disk, at the price of memory.
 
@@ -86,6 +88,7 @@ WORKDIR = "/testbed"  # the repository inside the sandbox
 PYSITE = "/opt/pysite"  # pytest and its dependencies, read only
 PYTEST_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig", "packaging", "pygments", "py", "exceptiongroup", "tomli")
 # Never part of an episode's diff: caches the model's own runs leave behind.
+DISK_POLL_S = 0.25  # how often a running command's /testbed size is checked
 SMALL_TREE = 2000  # entries up to which copies, size checks and cleanup run inline
 DIFF_EXCLUDES = ("__pycache__", "*.pyc", ".pytest_cache", ".git", ".hypothesis", "*.egg-info")
 
@@ -301,8 +304,12 @@ class Sandbox:
         return a, limits + inner
 
     async def _exec(self, inner: list[str], binds: list[tuple[str, str, bool]], cwd: str,
-                    timeout: float, cap: int) -> ExecResult:
-        """Run ``inner`` in a fresh sandbox; raises ``SandboxError`` if bwrap could not start it."""
+                    timeout: float, cap: int, disk_dir: str | None = None) -> ExecResult:
+        """Run ``inner`` in a fresh sandbox; raises ``SandboxError`` if bwrap could not start it.
+
+        With ``disk_dir``, its size is polled while the command runs and the command is
+        killed (``killed_by == "disk"``) once it passes ``disk_bytes``.
+        """
         opts, command = self._argv(inner, binds, cwd)
         rfd, wfd = os.pipe()  # bwrap's JSON status (child pid, namespaces, exit code)
         args_r, args_w = os.pipe()  # bwrap's options, NUL-separated
@@ -342,12 +349,30 @@ class Sandbox:
                     kept.extend(chunk[: cap - len(kept)])
             await proc.wait()
 
+        over_disk = False
+
+        async def watchdog(path: str) -> None:
+            nonlocal over_disk
+            while True:
+                await asyncio.sleep(DISK_POLL_S)
+                size, _ = await asyncio.to_thread(_tree_size, path)
+                if size > self.limits.disk_bytes:
+                    over_disk = True
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    return
+
+        dog = asyncio.create_task(watchdog(disk_dir)) if disk_dir is not None else None
         timed_out = False
         try:
             await asyncio.wait_for(pump(), timeout)
         except TimeoutError:
             timed_out = True
         finally:
+            if dog is not None:
+                dog.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await dog
             if proc.returncode is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)  # bwrap; its pid namespace dies with it
@@ -362,6 +387,8 @@ class Sandbox:
         docs = [json.loads(line) for line in status.splitlines() if line.strip().startswith("{")]
         info = {k: int(v) for d in docs for k, v in d.items() if isinstance(v, int)}
         text = kept.decode("utf-8", errors="replace")
+        if over_disk:
+            return ExecResult(-1, text, total > cap, False, "disk", info)
         if timed_out:
             return ExecResult(-1, text, total > cap, True, "timeout", info)
         if "exit-code" not in info:  # bwrap failed before the command ran: ours
@@ -380,7 +407,7 @@ class Sandbox:
             raise SandboxError("Sandbox.run after close")
         t = self.limits.wall_seconds if timeout is None else float(timeout)
         res = await self._exec(["/bin/bash", "-c", cmd], [(self.work, WORKDIR, True), *binds], WORKDIR, t,
-                               self.limits.output_bytes)
+                               self.limits.output_bytes, disk_dir=self.work)
         size, self._entries = await _maybe_thread(self._entries <= SMALL_TREE, _tree_size, self.work)
         if size > self.limits.disk_bytes:
             res.killed_by = "disk"
