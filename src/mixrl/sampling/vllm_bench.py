@@ -123,6 +123,26 @@ def bench_vllm(
         eng.close()
 
 
+def profile_spec(spec: str) -> Any:
+    """``NAME`` or ``NAME+field=value+...`` from the vLLM catalogue. A weight format that
+    numerics does not list yet (``int8``) is accepted here without validation, since only
+    the vLLM engine reads it."""
+    from mixrl.sampling.profiles import Profile, load_profiles, with_overrides
+    from mixrl.sampling.vllm_engine import vllm_profiles_path
+    from mixrl.sampling.vllm_formats import INT8_NAMES
+
+    name, *kvs = spec.split("+")
+    prof = load_profiles(vllm_profiles_path())[name]
+    changes = dict(kv.split("=", 1) for kv in kvs)
+    int8 = (
+        changes.pop("weight_format", None) if changes.get("weight_format") in INT8_NAMES else None
+    )
+    prof = with_overrides(prof, **changes) if changes else prof
+    if int8:
+        prof = Profile.model_construct(**{**prof.model_dump(), "weight_format": int8})
+    return prof
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m mixrl.sampling.vllm_bench --model bundled --profiles cpu-vllm-fp32,cpu-vllm-bf16``"""
     import argparse
@@ -132,7 +152,11 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description="vLLM sampler figures on one model (see module doc)")
     ap.add_argument("--model", default="bundled", help="HF directory or 'bundled'")
-    ap.add_argument("--profiles", default="cpu-vllm-fp32", help="comma-separated vLLM profiles")
+    ap.add_argument(
+        "--profiles",
+        default="cpu-vllm-fp32",
+        help="comma-separated vLLM profiles, each NAME or NAME+field=value (e.g. cpu-vllm-bf16+weight_format=int8)",
+    )
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -147,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     prompts = torch.randint(0, vocab, (a.batch, a.prompt_len), generator=g).tolist()
     params = SamplingParams(temperature=1.0, max_new_tokens=a.new_tokens, record="none")
     for name in a.profiles.split(","):
-        res = bench_vllm(path, prompts, params, profile=name, num_threads=a.threads, seed=a.seed)
+        prof = profile_spec(name)
+        res = bench_vllm(path, prompts, params, profile=prof, num_threads=a.threads, seed=a.seed)
         print(json.dumps({"profile": name, **{k: round(v, 9) for k, v in res.items()}}), flush=True)
     return 0
 

