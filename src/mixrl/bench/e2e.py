@@ -21,8 +21,10 @@ Three measurements in one invocation, all on the bundled policy:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -85,6 +87,44 @@ def copy_time(model_path: str, repeats: int = 5) -> float:
     return statistics.median(ts)
 
 
+def measure_publish(base: list[str], model_path: str, groups: list[str] | None, repeats: int = 5) -> dict[str, Any]:
+    """Publish -> every replica serving, on an idle fleet (no traffic): median seconds.
+
+    ``groups``: the demo's groups to keep (None = all); each gets one replica.
+    """
+    import asyncio
+
+    from mixrl.config.run import load_config
+    from mixrl.fleet.fleet import Fleet, GroupSpec
+    from mixrl.fleet.weights import WeightStore
+    from mixrl.models.policy import load_policy
+    from mixrl.runtime.backends.inprocess import InProcessBackend
+    from mixrl.runtime.run import group_profiles
+
+    cfg = load_config(None, base)
+    if groups is not None:
+        cfg = cfg.model_copy(update={"fleet": cfg.fleet.model_copy(
+            update={"groups": [g for g in cfg.fleet.groups if g.name in groups]})})
+    profiles = group_profiles(cfg)
+    model, _ = load_policy(model_path)
+
+    async def main() -> dict[str, Any]:
+        backend = InProcessBackend(cfg, model_path, None)
+        specs = [GroupSpec(g.name, float(profiles[g.name].relative_throughput), 1, 1, 1) for g in cfg.fleet.groups]
+        fleet = Fleet(specs, backend.make_sampler, WeightStore(put=lambda ref: ref))
+        fleet.publish(0, {k: v.detach().clone() for k, v in model.state_dict().items()})
+        await fleet.start()
+        for v in range(1, repeats + 1):
+            fleet.publish(v, {k: t.detach().clone() for k, t in model.state_dict().items()})
+            await fleet.wait_synced(v)
+        lat = [fleet.store.latencies[v] for v in range(1, repeats + 1)]
+        await fleet.close()
+        return {"replicas": len(specs), "groups": [g.name for g in cfg.fleet.groups],
+                "publish_s": statistics.median(lat)}
+
+    return asyncio.run(main())
+
+
 def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int, lr: float) -> dict[str, Any]:
     """TRL GRPOTrainer on the reverse task: steps/s after the first step."""
     try:
@@ -137,6 +177,8 @@ def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int,
             report_to="none", num_generations=group, per_device_train_batch_size=prompts * group,
             max_completion_length=max_new, max_steps=steps, learning_rate=lr, logging_steps=1,
             save_strategy="no", disable_tqdm=True, seed=0, temperature=1.0, beta=0.0,
+            # stop at the end of the assistant turn, as mixrl's sessions do
+            generation_kwargs={"eos_token_id": sorted({chat.end_of_turn_id, chat.eos_id})},
         )
         trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
                               processing_class=tok, callbacks=[_Clock()])
@@ -148,6 +190,17 @@ def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int,
 
 
 def main(args: argparse.Namespace) -> int:
+    # Everything the runs print goes to stderr: with --json, stdout is one JSON object.
+    with contextlib.redirect_stdout(sys.stderr):
+        res = _measure(args)
+    if args.json:
+        print(json.dumps(res, default=float))
+    else:
+        print(json.dumps(res, indent=2, default=float))
+    return 0
+
+
+def _measure(args: argparse.Namespace) -> dict[str, Any]:
     from mixrl.models.policy import resolve
 
     out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="mixrl-bench-e2e-"))
@@ -162,8 +215,11 @@ def main(args: argparse.Namespace) -> int:
     res["async_over_sync"] = asyn["samples_per_s"] / sync["samples_per_s"]
     res["trainer_idle_frac"] = asyn["trainer_idle_frac"]
     copy_s = copy_time(model_path)
-    res["publish_s"], res["copy_s"] = sync["publish_s"], copy_s
-    res["publish_over_copy"] = sync["publish_s"] / copy_s
+    mixed = measure_publish(base, model_path, None)
+    plain = measure_publish(base, model_path, ["b200-bf16"])
+    res["publish"] = {"mixed_fleet": mixed, "one_bf16_replica": plain, "in_sync_run_s": sync["publish_s"]}
+    res["publish_s"], res["copy_s"] = mixed["publish_s"], copy_s
+    res["publish_over_copy"] = mixed["publish_s"] / copy_s
     # mixrl vs TRL: one fp32 replica (the trainer's own precision), single-turn task, same batch.
     max_new = 16
     single = ['env.name="reverse"', "env.options={}", f"rollout.max_new_tokens={max_new}",
@@ -185,8 +241,4 @@ def main(args: argparse.Namespace) -> int:
         "publish_over_copy<=3": res["publish_over_copy"] <= 3,
     }
     res["run_dirs"] = str(out_root)
-    if args.json:
-        print(json.dumps(res, default=float))
-    else:
-        print(json.dumps(res, indent=2, default=float))
-    return 0
+    return res

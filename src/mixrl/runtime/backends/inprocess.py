@@ -114,10 +114,8 @@ class InProcessTrainer(TrainerHandle):
         return int(self.trainer.version)
 
     async def weights(self) -> Any:
-        from mixrl.fleet.weights import copy_state_dict
-
-        # A detached copy: the next optimizer step must not change a published version.
-        return copy_state_dict(dict(self.trainer.state_dict_for_samplers()))
+        # The trainer hands out detached CPU copies: later steps never change a published version.
+        return self.trainer.state_dict_for_samplers()
 
     async def state(self) -> dict[str, Any]:
         from mixrl.runtime.trainer_state import trainer_state

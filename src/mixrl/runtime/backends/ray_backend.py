@@ -72,9 +72,7 @@ class TrainerActor:
         return int(self.trainer.version)
 
     def weights(self) -> dict[str, Any]:
-        from mixrl.fleet.weights import copy_state_dict
-
-        return copy_state_dict(dict(self.trainer.state_dict_for_samplers()))
+        return self.trainer.state_dict_for_samplers()  # detached CPU copies
 
     def state(self) -> dict[str, Any]:
         from mixrl.runtime.trainer_state import trainer_state
