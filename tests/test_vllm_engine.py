@@ -343,6 +343,8 @@ def test_side_by_side_with_builtin_and_bf16_int8(eng, hf, model_dir: str) -> Non
         i8.close()
     with pytest.raises(ReplicaFailure, match="closed"):  # a closed engine takes no more work
         bf16.generate_batch([GenerationRequest([5], p)])
+    # closing in-process engines leaves the others (sharing vLLM's process state) working
+    assert len(eng.generate_batch([GenerationRequest(PROMPTS[0], p)])[0].token_ids) > 0
     assert errs["cpu-vllm-fp32"] < TOL_FP32 and errs["fp32"] < TOL_FP32
     assert 1e-4 < errs["cpu-vllm-bf16"] < 0.5 and 1e-4 < errs["cpu-vllm-int8"] < 0.5, errs
 

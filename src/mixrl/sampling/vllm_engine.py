@@ -42,6 +42,7 @@ generates.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -78,6 +79,8 @@ VLLM_MISSING = (
     "the CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm`)"
 )
 _START_LOCK = threading.Lock()  # engine start-up changes process-wide env and torch state
+# In-process engines alive: they share vLLM's process-wide distributed state (world of 1).
+_LIVE: set[int] = set()
 
 
 class VLLMNotInstalledError(ImportError):
@@ -116,6 +119,23 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
+
+
+@contextlib.contextmanager
+def _keep_dist_env(keep: bool) -> Iterator[None]:
+    """While ``keep``, an in-process engine's shutdown frees its memory but leaves vLLM's
+    process-wide distributed state, which the other live in-process engines still use."""
+    if not keep:
+        yield
+        return
+    import vllm.v1.engine.core as core
+
+    cleanup = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = lambda *a, **k: gc.collect()
+    try:
+        yield
+    finally:
+        core.cleanup_dist_env_and_memory = cleanup
 
 
 @contextlib.contextmanager
@@ -268,7 +288,10 @@ class VLLMEngine(Engine):
             # vLLM caches its env vars after the first engine starts; re-read them for this one.
             vllm.envs.disable_envs_cache()
             try:
-                return vllm.LLM(**kw)
+                llm = vllm.LLM(**kw)
+                if self.in_process:
+                    _LIVE.add(id(self))
+                return llm
             except Exception as e:
                 raise VLLMStartupError(
                     f"vLLM engine for group {self.group!r} (profile {getattr(self.profile, 'name', '?')!r}, "
@@ -283,8 +306,13 @@ class VLLMEngine(Engine):
         """Stop the engine (and its process when not in process); the engine is unusable after."""
         llm, self._llm = getattr(self, "_llm", None), None
         if llm is not None:
-            with contextlib.suppress(Exception):
-                llm.llm_engine.engine_core.shutdown()
+            with _START_LOCK:
+                _LIVE.discard(id(self))
+                with (
+                    _keep_dist_env(self.in_process and bool(_LIVE)),
+                    contextlib.suppress(Exception),
+                ):
+                    llm.llm_engine.engine_core.shutdown()
         if getattr(self, "_own_dir", False) and self.weights_dir:
             shutil.rmtree(self.weights_dir, ignore_errors=True)
 
