@@ -92,7 +92,24 @@ class _Row:
 
 
 class BuiltinEngine(Engine):
-    """Torch engine for HF Qwen3 checkpoints in one precision profile (see module doc)."""
+    """Torch engine for HF Qwen3 checkpoints in one precision profile (see module doc).
+
+    Args:
+        model_path: HF model directory (config + weights), loaded through transformers.
+        profile: a ``Profile``: weight/KV/activation formats, compute dtype, lm_head.
+        group: sampler-group name stamped on every result.
+        seed: engine seed for requests without ``params.seed``.
+        max_batch: rows decoded together; a longer request list runs in chunks of
+            this size, grouped by prompt length to limit padding.
+        max_context: prompt + output limit (default and maximum: the config's
+            ``max_position_embeddings``).
+        num_threads: ``torch.set_num_threads`` for the process (torch is process-wide).
+        stop_on_eos: also stop on the model's EOS ids (generation_config, else config).
+
+    Rows that finish are dropped from the running batch once a quarter of it has
+    finished, so long tails do not pay for finished rows. ``version`` is 0 for the
+    checkpoint at ``model_path``; ``load_weights`` sets the trainer's versions.
+    """
 
     def __init__(
         self,
