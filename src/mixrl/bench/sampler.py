@@ -130,11 +130,11 @@ def _hf_run(model: Any, prompts: list[list[int]], new: int) -> int:
     gc = copy.deepcopy(model.generation_config)
     gc.eos_token_id = None  # ignore EOS: every row generates `new` tokens, as the engine does
     gc.pad_token_id = 0
+    gc.do_sample, gc.temperature, gc.top_k, gc.top_p = True, 1.0, 0, 1.0  # whole vocabulary
+    gc.max_new_tokens = new
     ids = torch.tensor(prompts)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc,
-                             do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                             max_new_tokens=new)  # fmt: skip
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gc)
     return int((out.shape[1] - ids.shape[1]) * ids.shape[0])
 
 
