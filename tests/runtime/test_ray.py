@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from mixrl.runtime.run import train
+
 from .test_run import B, G, assert_complete_and_unique, metrics, tiny_cfg
 
 pytestmark = pytest.mark.ray

@@ -142,8 +142,9 @@ def test_stop_request_checkpoints_in_flight_and_resume_continues(tiny_policy: Pa
 
     async def stop_after_2(orch: Any) -> None:
         async def watch() -> None:
-            while orch.step < 2:
-                await asyncio.sleep(0.002)
+            # stop while some session is between its two turns: its partial must survive
+            while orch.step < 2 or not any(sh.turns for sh in orch.sessions.shadows.values()):
+                await asyncio.sleep(0.001)
             orch.request_stop()
 
         asyncio.ensure_future(watch())
@@ -151,12 +152,17 @@ def test_stop_request_checkpoints_in_flight_and_resume_continues(tiny_policy: Pa
     cfg = tiny_cfg(tiny_policy, tmp_path, runtime={"steps": 5})
     s = train(cfg, evaluate=False, hook=stop_after_2)
     assert s["interrupted"] and 2 <= s["steps"] < 5
+    from mixrl.runtime.checkpointing import load
+
+    ck = load(tmp_path)
+    assert ck is not None and ck["step"] == s["steps"]
+    partial_turns = [len(d["info"]["finish_reasons"]) for d in ck["inflight"].values()]
+    assert all(n >= 1 for n in partial_turns)  # sessions in flight kept their completed turns
     s = train(cfg, resume=True, evaluate=False)
     assert s["steps"] == 5 and not s["interrupted"]
     assert_complete_and_unique(tmp_path, 5)
+    assert sum(m["rollout/infra_failed"] for m in metrics(tmp_path)) == 0  # replays matched
     # trained + still pending (final checkpoint) = exactly the prompts issued, each once
-    from mixrl.runtime.checkpointing import load
-
     ck = load(tmp_path)
     assert ck is not None
     buf = ck["buffer"]

@@ -48,18 +48,28 @@ def task_from_dict(d: dict[str, Any]) -> Task:
 class _Shadow:
     prompt_id: str
     sample_idx: int
+    base: Trajectory | None = None  # the partial this session was resumed from
     turns: list[tuple[list[int], GenerationResult]] = dataclasses.field(default_factory=list)
 
     def partial(self) -> Trajectory | None:
         """The completed turns as a partial trajectory (None before the first turn)."""
         if not self.turns:
-            return None
+            return self.base
         last_prefix, last_res = self.turns[-1]
         tokens = list(last_prefix) + list(last_res.token_ids)
         n = len(tokens)
         t = Trajectory(prompt_id=self.prompt_id, sample_idx=self.sample_idx, tokens=tokens)
         t.loss_mask, t.sampler_logprobs = [0] * n, [0.0] * n
         t.versions, t.groups = [-1] * n, [""] * n
+        reasons: list[str] = []
+        if self.base is not None:  # every later prefix extends the resumed tokens
+            b = self.base
+            k = len(b.tokens)
+            t.loss_mask[:k], t.sampler_logprobs[:k] = list(b.loss_mask), list(b.sampler_logprobs)
+            t.versions[:k], t.groups[:k] = list(b.versions), list(b.groups)
+            t.cand_offsets, t.cand_ids = list(b.cand_offsets), list(b.cand_ids)
+            t.cand_logprobs, t.cand_kind = list(b.cand_logprobs), b.cand_kind
+            reasons = list(b.info.get("finish_reasons", []))
         for prefix, res in self.turns:
             s = len(prefix)
             for j in range(len(res.token_ids)):
@@ -73,8 +83,9 @@ class _Shadow:
             t.cand_logprobs += [float(x) for x in res.cand_logprobs]
             if res.cand_kind != "none":
                 t.cand_kind = res.cand_kind
-        t.turns = len(self.turns)
-        t.info["finish_reasons"] = [r.finish_reason for _, r in self.turns]
+        reasons += [r.finish_reason for _, r in self.turns]
+        t.turns = len(reasons)
+        t.info["finish_reasons"] = reasons
         return t
 
 
@@ -112,7 +123,7 @@ class Sessions:
             sid = f"{task.prompt_id}#{i}"
             if sid in self.tasks:
                 raise RuntimeError(f"session {sid} is already running")
-            self.shadows[sid] = _Shadow(task.prompt_id, i)
+            self.shadows[sid] = _Shadow(task.prompt_id, i, base=resume.get(i))
             self.tasks[sid] = asyncio.ensure_future(self._session(task, i, sid, resume.get(i)))
 
     async def _session(self, task: Task, idx: int, sid: str, resume: Trajectory | None) -> None:
