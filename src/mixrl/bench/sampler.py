@@ -249,6 +249,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    for name in ("batch", "prompt_len", "new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            print(f"mixrl bench sampler: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            return 2
     out = run(args)
     if args.json:
         print(json.dumps(out))
