@@ -315,7 +315,12 @@ def test_side_by_side_with_builtin_and_bf16_int8(eng, hf, model_dir: str) -> Non
     from mixrl.sampling.vllm_engine import VLLMEngine
 
     cat = _profiles()
-    bf16 = VLLMEngine(model_dir, cat["cpu-vllm-bf16"], "cpu-vllm-bf16", max_batch=4, max_context=64)
+    from mixrl.sampling.factory import make_engine
+
+    bf16 = make_engine(
+        model_dir, cat["cpu-vllm-bf16"], "cpu-vllm-bf16", max_batch=4, max_context=64
+    )
+    assert isinstance(bf16, VLLMEngine)
     # int8 is not (yet) a numerics format name, so the Profile is built without validation
     int8 = Profile.model_construct(
         **{**cat["cpu-vllm-bf16"].model_dump(), "name": "cpu-vllm-int8", "weight_format": "int8"}
@@ -440,3 +445,54 @@ def test_start_up_failure_is_a_clear_replica_failure(model_dir: str, tmp_path) -
     ) as ei:
         VLLMEngine(str(bad), _profiles()["cpu-vllm-fp32"], "g", max_batch=2, max_context=32)
     assert isinstance(ei.value, ReplicaFailure)
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_output_conversion_edge_cases() -> None:
+    """vLLM's own output records -> GenerationResult: support order, head ranks, a NaN."""
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput
+
+    from mixrl.sampling.vllm_outputs import to_result
+
+    ninf = float("-inf")
+    steps = [  # processed q of 4 tokens; token 3 is outside the support at step 0
+        {
+            2: Logprob(math.log(0.7), 1),
+            0: Logprob(math.log(0.3), 2),
+            3: Logprob(ninf, 3),
+            1: Logprob(ninf, 4),
+        },
+        {
+            1: Logprob(math.log(0.6), 1),
+            2: Logprob(math.log(0.4), 2),
+            0: Logprob(ninf, 3),
+            3: Logprob(ninf, 4),
+        },
+        {0: Logprob(float("nan"), 1)},
+    ]
+    out = CompletionOutput(0, "", [0, 2, 0], None, steps, finish_reason="length")
+    sup = to_result(out, SamplingParams(record="support"), 4, "g", {})
+    assert (
+        sup.token_ids == [0, 2]
+        and sup.finish_reason == "numerical_error"
+        and sup.num_nonfinite == 1
+    )
+    assert sup.cand_offsets == [0, 2, 4] and sup.cand_ids == [0, 2, 1, 2]
+    assert sup.cand_logprobs == pytest.approx(
+        [math.log(0.3), math.log(0.7), math.log(0.6), math.log(0.4)]
+    )
+    assert sup.logprobs == pytest.approx([math.log(0.3), math.log(0.4)]) and sup.version == 4
+    head = to_result(
+        CompletionOutput(0, "", [0], None, steps[:1], finish_reason="stop"),
+        SamplingParams(record="head:1"),
+        1,
+        "g",
+        {},
+    )
+    assert head.finish_reason == "stop" and head.cand_ids == [2] and head.cand_kind == "head"
+    aborted = to_result(
+        CompletionOutput(0, "", [], None, [], finish_reason="abort"), SamplingParams(), 1, "g", {}
+    )
+    assert aborted.finish_reason == "error" and "abort" in aborted.error
