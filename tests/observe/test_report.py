@@ -31,9 +31,10 @@ def _write_run(d, arm, fleet, collapse, seed):
                 row[f"share/oob_tokens/{g}"] = kl / sum(v[1] for v in GROUPS.values())
         rows.append(row)
     (d / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    (d / "eval.json").write_text(json.dumps({"pass@1": 0.3, "pass@4": 0.6, "n_tasks": 64,
-                                             "cost/cumulative": cost}))
-    (d / "config.json").write_text(json.dumps({"preset": arm}))
+    final = {"pass@1": 0.3, "pass@4": 0.6, "n_tasks": 64}
+    base = {"pass@1": 0.2, "pass@4": 0.5, "n_tasks": 64}
+    (d / "eval.json").write_text(json.dumps({"final": final, "base": base, "gain": 0.1}))
+    (d / "config.toml").write_text(f'[loss]\npreset = "{arm}"\n')
     if collapse:
         (d / "collapse.jsonl").write_text(json.dumps({"step": 30, "signal": "collapse",
                                                       "active": True}) + "\n")
@@ -56,6 +57,9 @@ def test_report_has_every_arm_and_finding(tmp_path):
         p = tmp_path / "figures" / fig
         assert p.exists() and p.stat().st_size > 10_000
     assert html.count("data:image/png;base64,") == 3
+    run = next(r for r in load_runs(tmp_path) if r.name == "mixed/grpo")
+    assert run.config == {"loss": {"preset": "grpo"}}
+    assert run.eval["pass@4"] == 0.6 and run.evals[0]["pass@4"] == 0.5
     verdicts = {f.title[:2]: f.verdict for f in judge(load_runs(tmp_path))}
     assert verdicts == {"1.": "reproduced", "2.": "reproduced", "3.": "reproduced",
                         "4.": "reproduced"}

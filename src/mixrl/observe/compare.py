@@ -4,7 +4,7 @@ Runs each correction arm on the mixed fleet (the config's groups) and on the
 homogeneous fleet (the ``b200-bf16`` profile, same total replicas), with the
 same seeds and budget. Every arm is a normal run directory
 ``OUT/<fleet>/<arm>`` written by ``mixrl train``; the comparison is resumable:
-finished arms (``eval.json`` present) are skipped, interrupted ones resume
+finished arms (``summary.json`` of an uninterrupted run) are skipped, interrupted ones resume
 from their last checkpoint. Arms run as separate processes, ``--jobs`` at a
 time, each with ``cores // jobs`` torch threads. At the end the report
 (``mixrl report OUT``) is written.
@@ -84,8 +84,19 @@ def homogeneous_fleet(mixed):  # type: ignore[no-untyped-def]
     return FleetConfig(groups=[group], autoscaler=mixed.autoscaler)
 
 
+def finished(run_dir: Path) -> bool:
+    """A run is finished when ``mixrl train`` wrote its summary and was not interrupted."""
+    import json
+
+    f = run_dir / "summary.json"
+    try:
+        return f.exists() and not json.loads(f.read_text()).get("interrupted", True)
+    except json.JSONDecodeError:
+        return False
+
+
 def _run_one(run_dir: Path, threads: int) -> tuple[Path, int, float]:
-    if (run_dir / "eval.json").exists():
+    if finished(run_dir):
         return run_dir, 0, 0.0
     cmd = [sys.executable, "-m", "mixrl.cli", "train"]
     if (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):

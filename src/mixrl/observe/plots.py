@@ -144,7 +144,10 @@ def plot_passk_cost(runs: list[Run], out: Path, k: int = 4) -> Path:
     ax.set_xlabel("cumulative sampling cost (USD, modelled)")
     ax.set_ylabel(f"held-out pass@{k}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, f"no evaluation reported pass@{k}", ha="center", transform=ax.transAxes)
     fig.tight_layout()
     path = Path(out) / "passk_cost.png"
     fig.savefig(path, dpi=90)

@@ -88,11 +88,29 @@ def load_run(path: Path, name: str | None = None) -> Run:
     run.rows = _jsonl(path / "metrics.jsonl")
     run.events = _jsonl(path / "collapse.jsonl")
     run.evals = _jsonl(path / "evals.jsonl")
-    for fname, attr in (("eval.json", "eval"), ("config.json", "config")):
-        f = path / fname
-        if f.exists():
-            setattr(run, attr, json.loads(f.read_text()))
+    f = path / "eval.json"
+    if f.exists():
+        ev = json.loads(f.read_text())
+        # ``mixrl train`` writes {"final": {...}, "base": {...}, "gain": ...}; a bare
+        # evaluation ({"pass@1": ...}) is accepted too.
+        run.eval = dict(ev.get("final", ev))
+        if "base" in ev and isinstance(ev["base"], dict):
+            run.evals.insert(0, {**ev["base"], "cost/cumulative": 0.0})
+    for name in ("config.json", "config.toml"):
+        c = path / name
+        if c.exists():
+            run.config = json.loads(c.read_text()) if name.endswith(".json") else _toml(c)
+            break
     return run
+
+
+def _toml(path: Path) -> dict[str, Any]:
+    import tomllib
+
+    try:
+        return tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError:
+        return {}
 
 
 def load_runs(path: Path) -> list[Run]:
