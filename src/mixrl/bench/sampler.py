@@ -8,6 +8,12 @@ built (``--model auto``) or asked for (``--model bundled``, builds it), else a
 random Qwen3 of the reference size (4 layers, hidden 256, vocab 384, 3.35M
 parameters); ``model`` in the JSON says which.
 
+Threads: both sides use ``--threads`` (default 1). On a small shared machine
+(2 vCPUs, other jobs running) multi-threaded runs are erratic: OpenMP threads
+spin at barriers while their partner is descheduled, so a 2-thread run can be
+several times slower than a 1-thread run and varies from run to run; one thread
+gives repeatable numbers. ``--threads 0`` keeps torch's default.
+
 Throughput: both run in this process, interleaved, ``--repeats`` times each
 after one warm-up; the best run of each is reported (the machine is shared, so
 the best run is the least disturbed one). ``*_tok_s`` divide by wall time;
@@ -55,7 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="auto",
                         help="'auto' (bundled policy if built, else random reference Qwen3), "
                              "'bundled', 'random', or an HF model directory")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads for both sides (default 1; 0 = torch's default)")  # fmt: skip
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fields even if vLLM is installed")
     parser.add_argument("--seed", type=int, default=0)
@@ -249,6 +256,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.threads < 0:
+        print(f"mixrl bench sampler: --threads must be >= 0, got {args.threads}")
+        return 2
+    args.threads = args.threads or None  # 0 -> torch's default
     for name in ("batch", "prompt_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
             print(f"mixrl bench sampler: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
