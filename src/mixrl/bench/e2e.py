@@ -14,8 +14,12 @@ Three measurements in one invocation, all on the bundled policy:
    ratio ``mixrl_over_trl`` (goal >= 2). Without ``trl`` installed the JSON
    says so instead.
 3. **weight publication**: from publish to every replica serving the new
-   version (measured in the sync run, where no batch is in flight), against a
-   raw copy of the same state dict: ``publish_over_copy`` (goal <= 3).
+   version, on an idle fleet (the demo's four groups, and one BF16 replica),
+   against a raw copy of the same state dict: ``publish_over_copy`` (goal <= 3).
+   The engines quantize on load, which a copy does not do, so the JSON also
+   gives each engine's own ``load_weights`` time and ``publish_over_engine_load``
+   (publication latency / the sum of the replicas' load times): what the store,
+   the queues and the event loop add.
 """
 
 from __future__ import annotations
@@ -118,9 +122,19 @@ def measure_publish(base: list[str], model_path: str, groups: list[str] | None, 
             fleet.publish(v, {k: t.detach().clone() for k, t in model.state_dict().items()})
             await fleet.wait_synced(v)
         lat = [fleet.store.latencies[v] for v in range(1, repeats + 1)]
+        # the engines' own quantize-on-load, called directly (no store, no queue, no event loop)
+        sd = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        load_s = {}
+        for name, h in backend.samplers.items():
+            engine = h._sampler.engine
+            t0 = time.perf_counter()
+            for v in range(repeats):
+                engine.load_weights(sd, 100 + v)
+            load_s[name] = (time.perf_counter() - t0) / repeats
         await fleet.close()
         return {"replicas": len(specs), "groups": [g.name for g in cfg.fleet.groups],
-                "publish_s": statistics.median(lat)}
+                "publish_s": statistics.median(lat), "engine_load_s": load_s,
+                "engine_load_sum_s": sum(load_s.values())}
 
     return asyncio.run(main())
 
@@ -220,6 +234,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     res["publish"] = {"mixed_fleet": mixed, "one_bf16_replica": plain, "in_sync_run_s": sync["publish_s"]}
     res["publish_s"], res["copy_s"] = mixed["publish_s"], copy_s
     res["publish_over_copy"] = mixed["publish_s"] / copy_s
+    # what the store and fleet add on top of the engines' quantize-on-load (2 cores: loads overlap little)
+    res["publish_over_engine_load"] = mixed["publish_s"] / mixed["engine_load_sum_s"]
     # mixrl vs TRL: one fp32 replica (the trainer's own precision), single-turn task, same batch.
     max_new = 16
     single = ['env.name="reverse"', "env.options={}", f"rollout.max_new_tokens={max_new}",
