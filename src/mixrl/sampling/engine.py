@@ -40,6 +40,7 @@ from mixrl.sampling.precision import from_profile
 from mixrl.sampling.sample import draw, sampling_logprobs
 
 _MASK64 = (1 << 64) - 1
+SUPPORT_BUFFER_BYTES = 256 << 20  # above this, whole-vocabulary supports are listed step by step
 
 
 def request_seed(engine_seed: int, index: int) -> int:
@@ -68,7 +69,8 @@ def _eos_ids(model_path: str, cfg: Any) -> frozenset[int]:
 class _Row:
     """Output being built for one request of a running batch."""
 
-    __slots__ = ("req", "stops", "limit", "ids", "lps", "offs", "cids", "clps", "finish", "nonfinite", "error")
+    __slots__ = ("req", "stops", "limit", "ids", "lps", "offs", "cids", "clps", "finish", "nonfinite", "error",
+                 "stride")  # fmt: skip
 
     def __init__(self, req: GenerationRequest, stops: frozenset[int], limit: int) -> None:
         self.req, self.stops, self.limit = req, stops, limit
@@ -80,11 +82,12 @@ class _Row:
         self.finish: FinishReason | None = None
         self.nonfinite = 0
         self.error = ""
+        self.stride = 0  # V when this row's whole-vocabulary support goes to the batch buffer
 
     def push(self, tok: int, lp: float) -> None:
         self.ids.append(tok)
         self.lps.append(lp)
-        self.offs.append(len(self.cids))
+        self.offs.append(len(self.ids) * self.stride if self.stride else len(self.cids))
         if tok in self.stops:
             self.finish = "stop"
         elif len(self.ids) >= self.limit:
@@ -222,6 +225,14 @@ class BuiltinEngine(Engine):
         topp = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
         U = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds])  # [B, N]
         live = list(range(B))  # tensor row -> index into rows
+        # Rows sampling from the whole vocabulary record log q of every token at every
+        # step: buffered as a tensor and listed once at the end (far cheaper than per step).
+        full = [i for i, r in enumerate(reqs) if r.params.record == "support" and r.params.top_k == 0 and r.params.top_p >= 1]
+        buf = None
+        if full and B * N * shape.vocab * 4 <= SUPPORT_BUFFER_BYTES:
+            buf = torch.empty(B, N, shape.vocab)  # [B, N, V] by original row
+            for i in full:
+                rows[i].stride = shape.vocab
         padded = min(lens) < P
 
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
@@ -250,7 +261,7 @@ class BuiltinEngine(Engine):
                 if n_bad and row.finish is None:  # ends here; this step's token is not emitted
                     row.finish, row.nonfinite = "numerical_error", n_bad
                     row.error = f"{n_bad} non-finite logits at generated token {s} ({prec.describe})"
-            self._record(rows, live, logq, keep)
+            self._record(rows, live, logq, keep, buf, s)
             for j, (t, v) in enumerate(zip(tok.tolist(), lp.tolist(), strict=True)):
                 row = rows[live[j]]
                 if row.finish is None:
@@ -275,12 +286,20 @@ class BuiltinEngine(Engine):
         t2 = time.perf_counter()
 
         timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "batch_size": float(B)}
-        return [self._result(row, version, timings) for row in rows]
+        return [self._result(row, version, timings, buf, i) for i, row in enumerate(rows)]
 
-    def _record(self, rows: list[_Row], live: list[int], logq: torch.Tensor, keep: torch.Tensor | None) -> None:
+    def _record(
+        self, rows: list[_Row], live: list[int], logq: torch.Tensor, keep: torch.Tensor | None,
+        buf: torch.Tensor | None, step: int,
+    ) -> None:
         """Append this step's candidates of q to every running row (vectorized per kind)."""
         sup = [j for j, r in enumerate(live) if rows[r].finish is None and rows[r].req.params.record == "support"]
         head = [j for j, r in enumerate(live) if rows[r].finish is None and rows[r].req.params.head_k > 0]
+        if buf is not None and sup:
+            fast = [j for j in sup if rows[live[j]].stride]
+            if fast:
+                buf[torch.tensor([live[j] for j in fast]), step] = logq[torch.tensor(fast)]
+                sup = [j for j in sup if not rows[live[j]].stride]
         if sup and keep is None:  # whole vocabulary: ids are 0..V-1, only the values vary
             vals = (logq if len(sup) == len(live) else logq[torch.tensor(sup)]).tolist()
             for j, v in zip(sup, vals, strict=True):
@@ -311,14 +330,21 @@ class BuiltinEngine(Engine):
                 row.cids.extend(ix[a][:n])
                 row.clps.extend(v[a][:n])
 
-    def _result(self, row: _Row, version: int, timings: dict[str, float]) -> GenerationResult:
+    def _result(
+        self, row: _Row, version: int, timings: dict[str, float], buf: torch.Tensor | None, i: int
+    ) -> GenerationResult:
         kind = row.req.params.record
+        cids, clps = row.cids, row.clps
+        if row.stride:  # buffered whole-vocabulary support: one tolist for the whole request
+            assert buf is not None
+            n = len(row.ids)
+            cids, clps = self._vocab_ids * n, buf[i, :n].reshape(-1).tolist()
         return GenerationResult(
             token_ids=row.ids,
             logprobs=row.lps,
             cand_offsets=row.offs,
-            cand_ids=row.cids,
-            cand_logprobs=row.clps,
+            cand_ids=cids,
+            cand_logprobs=clps,
             cand_kind="support" if kind == "support" else "head" if kind.startswith("head:") else "none",
             version=version,
             group=self.group,
