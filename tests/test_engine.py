@@ -224,6 +224,24 @@ def test_quantized_weights_match_hf_with_the_same_fake_quantization(untied):
     assert moved > 100 * TOL["fp8w_fp32"], moved  # quantization did change the numbers
 
 
+def test_activation_quantization_matches_hf_with_input_hooks(untied):
+    from mixrl.numerics import quantize_activation
+
+    prof = with_overrides(get_profile("fp32"), activation_format="fp8_e4m3")
+    engine = BuiltinEngine(untied, prof, "act", stop_on_eos=False)
+    hf = _hf(untied)
+    for name, mod in hf.named_modules():  # the same per-token FP8 on every Linear input but lm_head's
+        if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+            mod.register_forward_pre_hook(lambda m, args: (quantize_activation(args[0], "fp8_e4m3"),))
+    p = _prompts([6], seed=9)[0]
+    (r,) = engine.generate_batch([GenerationRequest(p, SamplingParams(max_new_tokens=6))])
+    ref = torch.log_softmax(_ref_logits(hf, p, r.token_ids), -1)
+    exact = torch.log_softmax(_ref_logits(_hf(untied), p, r.token_ids), -1)
+    got = torch.tensor([_cands(r, j)[1] for j in range(6)], dtype=torch.float64)
+    assert (got - ref).abs().max().item() < TOL["fp8w_fp32"]
+    assert (got - exact).abs().max().item() > 100 * TOL["fp8w_fp32"]
+
+
 def test_bf16_profile_is_close_to_hf_bf16_and_fp8_kv_changes_it(untied):
     hf = _hf(untied, torch.bfloat16)
     prompts = _prompts([5, 2], seed=3)
