@@ -242,6 +242,29 @@ def test_activation_quantization_matches_hf_with_input_hooks(untied):
     assert (got - exact).abs().max().item() > 100 * TOL["fp8w_fp32"]
 
 
+def test_fp8_kv_cache_matches_hf_with_quantized_keys_and_values(untied):
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from mixrl.numerics import quantize_kv
+
+    def fp8_kv_attention(module, query, key, value, *args, **kwargs):  # key/value [B, Hkv, T, D]
+        q = lambda x: quantize_kv(x, "fp8_e4m3")  # noqa: E731
+        return sdpa_attention_forward(module, query, q(key), q(value), *args, **kwargs)
+
+    AttentionInterface.register("mixrl_test_fp8_kv", fp8_kv_attention)
+    hf = AutoModelForCausalLM.from_pretrained(untied, attn_implementation="mixrl_test_fp8_kv").eval()
+    prof = with_overrides(get_profile("fp32"), kv_format="fp8_e4m3")
+    engine = BuiltinEngine(untied, prof, "kv", stop_on_eos=False)
+    p = _prompts([5], seed=10)[0]
+    (r,) = engine.generate_batch([GenerationRequest(p, SamplingParams(max_new_tokens=6))])
+    ref = torch.log_softmax(_ref_logits(hf, p, r.token_ids), -1)
+    exact = torch.log_softmax(_ref_logits(_hf(untied), p, r.token_ids), -1)
+    got = torch.tensor([_cands(r, j)[1] for j in range(6)], dtype=torch.float64)
+    assert (got - ref).abs().max().item() < TOL["fp8w_fp32"]
+    assert (got - exact).abs().max().item() > 100 * TOL["fp8w_fp32"]
+
+
 def test_bf16_profile_is_close_to_hf_bf16_and_fp8_kv_changes_it(untied):
     hf = _hf(untied, torch.bfloat16)
     prompts = _prompts([5, 2], seed=3)
