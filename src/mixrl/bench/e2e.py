@@ -180,7 +180,7 @@ def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int,
 
     times: list[float] = []
 
-    class _Clock(TrainerCallback):  # type: ignore[misc]
+    class _Clock(TrainerCallback):
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             times.append(time.perf_counter())
 
@@ -194,8 +194,10 @@ def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int,
             # stop at the end of the assistant turn, as mixrl's sessions do
             generation_kwargs={"eos_token_id": sorted({chat.end_of_turn_id, chat.eos_id})},
         )
-        trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=Dataset.from_list(rows),
-                              processing_class=tok, callbacks=[_Clock()])
+        trainer = GRPOTrainer(
+            model=model, reward_funcs=reward, args=args,  # type: ignore[arg-type]
+            train_dataset=Dataset.from_list(rows), processing_class=tok, callbacks=[_Clock()],
+        )
         t0 = time.perf_counter()
         trainer.train()
         total = time.perf_counter() - t0

@@ -40,28 +40,28 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The policy that is trained and served."""
 
-    path: str = Field("bundled", min_length=1, description='"bundled" (the small bundled policy) or a HF model directory')
+    path: str = Field(default="bundled", min_length=1, description='"bundled" (the small bundled policy) or a HF model directory')
 
 
 class EnvConfig(_Section):
     """The task family and environment options."""
 
-    name: str = Field("calc", min_length=1, description="task family, as known to mixrl.envs.registry")
+    name: str = Field(default="calc", min_length=1, description="task family, as known to mixrl.envs.registry")
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for make_env (max_turns, ...)")
 
 
 class RolloutConfig(_Section):
     """How trajectories are sampled."""
 
-    group_size: int = Field(8, ge=2, le=1024, description="G: trajectories per prompt (GRPO group)")
-    prompts_per_step: int = Field(8, ge=1, le=4096, description="B: complete groups per trainer update")
-    max_total_tokens: int = Field(160, ge=8, le=1 << 20, description="cap on prompt + generated + tool tokens of one episode")
-    max_new_tokens: int = Field(48, ge=1, le=1 << 20, description="cap on tokens generated in one assistant turn")
-    temperature: float = Field(1.0, gt=0, le=10, description="sampling temperature (corrections assume the same T in the trainer)")
-    top_p: float | None = Field(None, gt=0, le=1, description="nucleus mass; None = the loss preset's sampler_top_p")
-    record: str = Field("auto", description='which candidates of q to record: "auto" (support if top_p < 1 else head:K), "support", "head:K", "none"')
-    head_k: int | None = Field(None, ge=1, le=4096, description='K for record = "auto" with full-vocabulary sampling; None = the preset\'s head_k')
-    max_inflight_prompts: int | None = Field(None, ge=1, le=1 << 16, description="prompts being sampled at once (async); None = 2 * prompts_per_step")
+    group_size: int = Field(default=8, ge=2, le=1024, description="G: trajectories per prompt (GRPO group)")
+    prompts_per_step: int = Field(default=8, ge=1, le=4096, description="B: complete groups per trainer update")
+    max_total_tokens: int = Field(default=160, ge=8, le=1 << 20, description="cap on prompt + generated + tool tokens of one episode")
+    max_new_tokens: int = Field(default=48, ge=1, le=1 << 20, description="cap on tokens generated in one assistant turn")
+    temperature: float = Field(default=1.0, gt=0, le=10, description="sampling temperature (corrections assume the same T in the trainer)")
+    top_p: float | None = Field(default=None, gt=0, le=1, description="nucleus mass; None = the loss preset's sampler_top_p")
+    record: str = Field(default="auto", description='which candidates of q to record: "auto" (support if top_p < 1 else head:K), "support", "head:K", "none"')
+    head_k: int | None = Field(default=None, ge=1, le=4096, description='K for record = "auto" with full-vocabulary sampling; None = the preset\'s head_k')
+    max_inflight_prompts: int | None = Field(default=None, ge=1, le=1 << 16, description="prompts being sampled at once (async); None = 2 * prompts_per_step")
 
     @field_validator("record")
     @classmethod
@@ -76,9 +76,9 @@ class GroupConfig(_Section):
 
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._+-]+$", description="group name (metric suffix)")
     profile: str = Field(..., min_length=1, description="precision profile, as known to mixrl.sampling.profiles")
-    replicas: int = Field(1, ge=0, le=256, description="replicas at start")
-    min_replicas: int = Field(0, ge=0, le=256, description="autoscaler lower bound")
-    max_replicas: int = Field(4, ge=1, le=256, description="autoscaler upper bound")
+    replicas: int = Field(default=1, ge=0, le=256, description="replicas at start")
+    min_replicas: int = Field(default=0, ge=0, le=256, description="autoscaler lower bound")
+    max_replicas: int = Field(default=4, ge=1, le=256, description="autoscaler upper bound")
     overrides: dict[str, Any] = Field(default_factory=dict, description="profile fields to override (with_overrides), e.g. compute_dtype")
 
     @model_validator(mode="after")
@@ -101,9 +101,9 @@ class InflightScaling(_Section):
     """Keep in-flight sessions per replica near a target, within [min, max] replicas."""
 
     type: Literal["inflight"] = "inflight"
-    target: float = Field(16.0, gt=0, le=1 << 16, description="in-flight sessions per replica to aim for")
-    tolerance: float = Field(0.5, ge=0, le=10, description="act when load is outside target * (1 +- tolerance)")
-    interval_s: float = Field(2.0, gt=0, le=3600, description="seconds between decisions")
+    target: float = Field(default=16.0, gt=0, le=1 << 16, description="in-flight sessions per replica to aim for")
+    tolerance: float = Field(default=0.5, ge=0, le=10, description="act when load is outside target * (1 +- tolerance)")
+    interval_s: float = Field(default=2.0, gt=0, le=3600, description="seconds between decisions")
 
 
 Autoscaling = Annotated[FixedScaling | InflightScaling, Field(discriminator="type")]
@@ -113,11 +113,11 @@ class FleetConfig(_Section):
     """The sampler fleet: named groups of replicas, and how they scale."""
 
     groups: list[GroupConfig] = Field(
-        default_factory=lambda: [GroupConfig(name="fp32", profile="fp32", replicas=1, min_replicas=1)],
+        default_factory=lambda: [GroupConfig(name="fp32", profile="fp32", replicas=1, min_replicas=1, max_replicas=4)],
         min_length=1,
         description="sampler groups",
     )
-    autoscaler: Autoscaling = Field(default_factory=FixedScaling, description="scaling policy")
+    autoscaler: Autoscaling = Field(default_factory=lambda: FixedScaling(), description="scaling policy")
 
     @model_validator(mode="after")
     def _unique(self) -> FleetConfig:
@@ -133,37 +133,37 @@ class FleetConfig(_Section):
 class LossSection(_Section):
     """The loss: a named preset (mixrl.config.presets) plus field overrides."""
 
-    preset: str = Field("sc+mis+top-p", min_length=1, description="preset name")
+    preset: str = Field(default="sc+mis+top-p", min_length=1, description="preset name")
     overrides: dict[str, Any] = Field(default_factory=dict, description="LossConfig fields that replace the preset's")
 
 
 class OptimConfig(_Section):
     """The trainer's optimizer and numerics."""
 
-    lr: float = Field(1e-4, gt=0, le=1.0, description="AdamW learning rate")
-    weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW weight decay")
-    grad_clip: float = Field(1.0, gt=0, le=1e6, description="global gradient-norm clip")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="trainer precision (fp32 on CPU)")
-    epochs: int = Field(1, ge=1, le=64, description="optimizer passes over each batch (PPO epochs)")
-    minibatches: int = Field(1, ge=1, le=4096, description="optimizer steps per epoch")
+    lr: float = Field(default=1e-4, gt=0, le=1.0, description="AdamW learning rate")
+    weight_decay: float = Field(default=0.0, ge=0, le=1.0, description="AdamW weight decay")
+    grad_clip: float = Field(default=1.0, gt=0, le=1e6, description="global gradient-norm clip")
+    precision: Literal["fp32", "bf16"] = Field(default="fp32", description="trainer precision (fp32 on CPU)")
+    epochs: int = Field(default=1, ge=1, le=64, description="optimizer passes over each batch (PPO epochs)")
+    minibatches: int = Field(default=1, ge=1, le=4096, description="optimizer steps per epoch")
 
 
 class RayConfig(_Section):
     """Ray backend options."""
 
-    address: str | None = Field(None, description="cluster to join; None = $RAY_ADDRESS or a new local cluster")
-    num_cpus: int | None = Field(None, ge=1, le=4096, description="CPUs of a new local cluster")
+    address: str | None = Field(default=None, description="cluster to join; None = $RAY_ADDRESS or a new local cluster")
+    num_cpus: int | None = Field(default=None, ge=1, le=4096, description="CPUs of a new local cluster")
 
 
 class EvalConfig(_Section):
     """Held-out evaluation at the end of the run (pass@k)."""
 
-    enabled: bool = Field(True, description="evaluate base and final policy on the held-out split")
-    n_tasks: int = Field(64, ge=1, le=1 << 20, description="held-out tasks")
-    n: int = Field(4, ge=1, le=1024, description="samples per task")
-    k: int = Field(1, ge=1, le=1024, description="pass@k")
-    seed: int = Field(1234, ge=0, description="evaluation seed (fixed across runs)")
-    base: bool = Field(True, description="also evaluate the starting policy (for the gain)")
+    enabled: bool = Field(default=True, description="evaluate base and final policy on the held-out split")
+    n_tasks: int = Field(default=64, ge=1, le=1 << 20, description="held-out tasks")
+    n: int = Field(default=4, ge=1, le=1024, description="samples per task")
+    k: int = Field(default=1, ge=1, le=1024, description="pass@k")
+    seed: int = Field(default=1234, ge=0, description="evaluation seed (fixed across runs)")
+    base: bool = Field(default=True, description="also evaluate the starting policy (for the gain)")
 
     @model_validator(mode="after")
     def _k(self) -> EvalConfig:
@@ -175,38 +175,38 @@ class EvalConfig(_Section):
 class RuntimeConfig(_Section):
     """The orchestrator: backend, scheduling mode, length, checkpoints."""
 
-    backend: Literal["inprocess", "ray"] = Field("inprocess", description="how handles are made")
-    mode: Literal["async", "sync"] = Field("async", description="async: samplers never wait; sync: samplers wait for every update")
-    max_staleness: int | None = Field(None, ge=0, le=1 << 20, description="bound on trainer version - token version; None = unbounded")
-    staleness_policy: Literal["drop", "requeue"] = Field("drop", description="what happens to a group beyond max_staleness")
-    steps: int = Field(40, ge=1, le=1 << 24, description="trainer updates")
-    checkpoint_every: int = Field(0, ge=0, le=1 << 24, description="save every N steps (0 = only at the end and on Ctrl-C)")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of data order, sampling and init")
-    max_session_retries: int = Field(8, ge=0, le=1000, description="replica failures one session survives before it is infra_failed")
-    torch_threads: int = Field(1, ge=1, le=1024, description="torch intra-op threads per process")
-    ray: RayConfig = Field(default_factory=RayConfig, description="Ray backend options")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="final held-out evaluation")
+    backend: Literal["inprocess", "ray"] = Field(default="inprocess", description="how handles are made")
+    mode: Literal["async", "sync"] = Field(default="async", description="async: samplers never wait; sync: samplers wait for every update")
+    max_staleness: int | None = Field(default=None, ge=0, le=1 << 20, description="bound on trainer version - token version; None = unbounded")
+    staleness_policy: Literal["drop", "requeue"] = Field(default="drop", description="what happens to a group beyond max_staleness")
+    steps: int = Field(default=40, ge=1, le=1 << 24, description="trainer updates")
+    checkpoint_every: int = Field(default=0, ge=0, le=1 << 24, description="save every N steps (0 = only at the end and on Ctrl-C)")
+    seed: int = Field(default=0, ge=0, le=2**31 - 1, description="seed of data order, sampling and init")
+    max_session_retries: int = Field(default=8, ge=0, le=1000, description="replica failures one session survives before it is infra_failed")
+    torch_threads: int = Field(default=1, ge=1, le=1024, description="torch intra-op threads per process")
+    ray: RayConfig = Field(default_factory=lambda: RayConfig(), description="Ray backend options")
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig(), description="final held-out evaluation")
 
 
 class ObserveConfig(_Section):
     """Where results go."""
 
-    run_dir: str = Field("runs/demo", min_length=1, description="output directory (config, metrics.jsonl, events, checkpoints, eval.json)")
-    tensorboard: bool = Field(True, description="write TensorBoard event files")
-    progress: bool = Field(True, description="show a progress bar")
+    run_dir: str = Field(default="runs/demo", min_length=1, description="output directory (config, metrics.jsonl, events, checkpoints, eval.json)")
+    tensorboard: bool = Field(default=True, description="write TensorBoard event files")
+    progress: bool = Field(default=True, description="show a progress bar")
 
 
 class RunConfig(_Section):
     """One training run."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    env: EnvConfig = Field(default_factory=EnvConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
+    env: EnvConfig = Field(default_factory=lambda: EnvConfig())
+    rollout: RolloutConfig = Field(default_factory=lambda: RolloutConfig())
     fleet: FleetConfig = Field(default_factory=FleetConfig)
-    loss: LossSection = Field(default_factory=LossSection)
-    optim: OptimConfig = Field(default_factory=OptimConfig)
-    runtime: RuntimeConfig = Field(default_factory=RuntimeConfig)
-    observe: ObserveConfig = Field(default_factory=ObserveConfig)
+    loss: LossSection = Field(default_factory=lambda: LossSection())
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
+    runtime: RuntimeConfig = Field(default_factory=lambda: RuntimeConfig())
+    observe: ObserveConfig = Field(default_factory=lambda: ObserveConfig())
 
 
 @dataclass(frozen=True)

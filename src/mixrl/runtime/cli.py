@@ -14,6 +14,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
         summary = train(cfg, resume=bool(args.resume), evaluate=False if args.no_eval else None)
     except KeyboardInterrupt:
         return 130
-    out = {k: summary[k] for k in ("steps", "wall_s", "samples_per_s", "trainer_idle_frac") if k in summary}
+    out: dict[str, Any] = {k: summary[k] for k in ("steps", "wall_s", "samples_per_s", "trainer_idle_frac") if k in summary}
     if "eval" in summary:
         out["eval"] = summary["eval"]
     print(json.dumps(out, indent=2, default=float))

@@ -210,7 +210,10 @@ class Orchestrator:
         self.stop_requested = True
         self._event.set()
 
-    def _metrics(self, trajs, tmetrics, bmetrics, astats, ts, elapsed) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    def _metrics(
+        self, trajs: list[Any], tmetrics: dict[str, float], bmetrics: dict[str, float],
+        astats: dict[str, float], ts: tuple[float, float, float, float], elapsed: float,
+    ) -> dict[str, float]:
         t0, t1, t2, t3 = ts
         m: dict[str, float] = {}
         m.update(tmetrics)

@@ -171,7 +171,9 @@ class RayBackend(Backend):
         self._started_here = True
 
     async def make_trainer(self) -> TrainerHandle:
-        actor = TrainerActor.remote(self.cfg.model_dump(mode="json"), self.model_path, self.loss_cfg)
+        actor = TrainerActor.remote(  # type: ignore[attr-defined]
+            self.cfg.model_dump(mode="json"), self.model_path, self.loss_cfg
+        )
         await actor.version.remote()  # raises here if the trainer cannot be built
         return RayTrainer(actor)
 
@@ -179,7 +181,7 @@ class RayBackend(Backend):
         from mixrl.runtime.backends.inprocess import group_profile, replica_seed
 
         prof = group_profile(self.cfg, group)
-        actor = SamplerActor.remote(
+        actor = SamplerActor.remote(  # type: ignore[attr-defined]
             self.model_path, prof, group, replica_seed(self.cfg.runtime.seed, name), self.cfg.runtime.torch_threads
         )
         try:
