@@ -48,7 +48,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REFERENCE = dict(vocab_size=384, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+REFERENCE: dict[str, Any] = dict(vocab_size=384, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
 
 

@@ -306,7 +306,7 @@ class BuiltinEngine(Engine):
                 row = rows[live[j]]
                 row.cids.extend(self._vocab_ids)
                 row.clps.extend(v)
-        elif sup:
+        elif sup and keep is not None:
             sel = torch.tensor(sup)
             m = keep[sel]
             counts = m.sum(1).tolist()
@@ -321,14 +321,14 @@ class BuiltinEngine(Engine):
         if head:
             sel = torch.tensor(head)
             kmax = min(max(rows[live[j]].req.params.head_k for j in head), logq.shape[1])
-            v, ix = logq[sel].topk(kmax, dim=1)  # [h, kmax] descending
-            nfin = torch.isfinite(v).sum(1).tolist()  # never list tokens outside the support
-            v, ix = v.tolist(), ix.tolist()
+            top, ix = logq[sel].topk(kmax, dim=1)  # [h, kmax] descending
+            nfin = torch.isfinite(top).sum(1).tolist()  # never list tokens outside the support
+            top_l, ix_l = top.tolist(), ix.tolist()
             for a, j in enumerate(head):
                 row = rows[live[j]]
                 n = min(row.req.params.head_k, nfin[a])
-                row.cids.extend(ix[a][:n])
-                row.clps.extend(v[a][:n])
+                row.cids.extend(ix_l[a][:n])
+                row.clps.extend(top_l[a][:n])
 
     def _result(
         self, row: _Row, version: int, timings: dict[str, float], buf: torch.Tensor | None, i: int

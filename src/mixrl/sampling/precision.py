@@ -78,11 +78,11 @@ def from_profile(profile: Any) -> Precision:
         from mixrl import numerics  # lazily: the FP32 engine does not need it
 
         if not _is_identity(wf):
-            weight = lambda w: numerics.quantize_weight(w, wf)  # noqa: E731
+            weight = lambda w: numerics.quantize_weight(w, str(wf))  # noqa: E731
         if not _is_identity(kf):
-            kv = lambda x: numerics.quantize_kv(x, kf)  # noqa: E731
+            kv = lambda x: numerics.quantize_kv(x, str(kf))  # noqa: E731
         if not _is_identity(af):
-            act = lambda x: numerics.quantize_activation(x, af)  # noqa: E731
+            act = lambda x: numerics.quantize_activation(x, str(af))  # noqa: E731
     return Precision(
         dtype=dtype,
         weight=weight,
