@@ -37,7 +37,7 @@ from typing import Any
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--steps", type=int, default=8, help="updates per run (default 8)")
+    parser.add_argument("--steps", type=int, default=20, help="updates per run (default 20)")
     parser.add_argument("--prompts", type=int, default=8, help="B: prompts per update")
     parser.add_argument("--group-size", type=int, default=8, help="G: samples per prompt")
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
