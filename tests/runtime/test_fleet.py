@@ -84,3 +84,30 @@ def test_failover_malformed_and_catch_up(tiny_policy: Path) -> None:
         await fleet.close()
 
     asyncio.run(main())
+
+
+def test_autoscaler_scales_a_group_up_and_down(tiny_policy: Path) -> None:
+    from mixrl.fleet.autoscaler import Autoscaler
+
+    async def main() -> None:
+        backend, fleet, sd = _setup(tiny_policy, {"a": ("fp32", 1)})
+        fleet.specs["a"].min_replicas = 1
+        fleet.publish(0, copy_state_dict(sd))
+        await fleet.start()
+        scaler = Autoscaler(fleet, target=4, tolerance=0.5)
+        fleet.router.replicas["a/0"].inflight = 10  # load 10 per replica > 4 * 1.5
+        await scaler.tick()
+        await asyncio.gather(*fleet._sync_tasks.values())
+        assert fleet.live("a") == 2 and fleet.versions["a/1"] == 0  # caught up before serving
+        fleet.router.replicas["a/0"].inflight = 0  # idle: load 0 < 4 * 0.5
+        await scaler.tick()
+        for _ in range(100):
+            if len(fleet.router.replicas) == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert fleet.live("a") == 1 and scaler.events == [("a", 1), ("a", -1)]
+        await scaler.tick()  # at min_replicas: no further removal
+        assert fleet.live("a") == 1
+        await fleet.close()
+
+    asyncio.run(main())
