@@ -147,8 +147,11 @@ def _tables(doc: dict[str, Any], where: str) -> dict[str, dict[str, Any]]:
 
 def load_profiles(extra_toml: str | Path | None = None) -> dict[str, Profile]:
     """The catalogue, with ``extra_toml`` (a file or TOML text) merged over it."""
-    builtin = resources.files("mixrl.sampling").joinpath("profiles.toml").read_text()
-    merged = _tables(tomllib.loads(builtin), "profiles.toml")
+    merged: dict[str, dict[str, Any]] = {}
+    # The shipped catalogue: the built-in engine's profiles and the vLLM ones.
+    for fname in ("profiles.toml", "vllm_profiles.toml"):
+        text = resources.files("mixrl.sampling").joinpath(fname).read_text()
+        merged.update(_tables(tomllib.loads(text), fname))
     if extra_toml is not None:
         for name, table in _tables(*_read_toml(extra_toml)).items():
             merged[name] = {**merged.get(name, {}), **table}
