@@ -253,7 +253,7 @@ class VLLMEngine(Engine):
             enforce_eager=self.platform.kind == "cpu",  # GPUs keep CUDA graphs
             enable_prefix_caching=False,  # cached KV would outlive a weight update
             generation_config="vllm",  # no sampling defaults from the checkpoint
-            seed=self.seed,
+            seed=self.seed % 2**32,  # vLLM takes a 32-bit seed; run seeds may be wider
             disable_log_stats=True,
             **self.options.llm_kwargs(),
         )
@@ -415,7 +415,7 @@ class VLLMEngine(Engine):
             top_p=p.top_p,
             top_k=p.top_k,  # 0 = off in both
             max_tokens=min(p.max_new_tokens, self.max_context - len(r.prompt_ids)),
-            seed=seed,
+            seed=seed % 2**32,
             stop_token_ids=sorted(self.eos_ids | set(p.stop_ids)),
             ignore_eos=True,  # EOS is handled through stop_token_ids above
             logprobs=-1 if p.record == "support" else min(k, self.vocab) if k else 0,
