@@ -7,8 +7,8 @@ run:
 
 test:
 	@scripts/bootstrap.sh --dev
-	.venv/bin/ruff check src/mixrl/corrections
-	.venv/bin/mypy src/mixrl/corrections
+	.venv/bin/ruff check src/mixrl/corrections src/mixrl/numerics src/mixrl/observe
+	.venv/bin/mypy src/mixrl/corrections src/mixrl/numerics
 	.venv/bin/python -m pytest
 
 lint:
