@@ -36,8 +36,14 @@ def test_demonstrations_mask_only_assistant_tokens() -> None:
         # role tokens and tool/user turns are context only
         assert chat.tokenizer.convert_tokens_to_ids("<|tool|>") not in supervised
         assert chat.tokenizer.convert_tokens_to_ids("<|user|>") not in supervised
-    fams = {chat.decode(ids).split("<|end|>")[0].startswith("<|user|>Reverse") for ids, _ in data}
+    fams = {chat.decode(ids).split("<|end|>")[0].startswith("<|user|>Uppercase") for ids, _ in data}
     assert fams == {True, False}  # both families
+    direct = [(ids, y) for ids, y in data if "<calc>" not in chat.decode(ids)
+              and not chat.decode(ids).startswith("<|user|>Uppercase")]
+    assert direct  # calc answered without the tool: the guessed value is not supervised
+    for _ids, y in direct:
+        sup = chat.decode([t for t in y if t != -100])
+        assert sup == "<answer></answer><|end|>", sup
     assert pretrain.demonstrations(MINI, chat, 40) == data  # seeded
 
 

@@ -207,7 +207,8 @@ class CalcEnv(Env):
 def demo_turns(task: Task, rng: random.Random, style: str) -> list[tuple[str, str]]:
     """A demonstration transcript as (role, text) turns after the prompt.
 
-    Roles: ``assistant`` (a reply), ``tool`` (tool output), ``user`` (reminder).
+    Roles: ``assistant`` (a reply), ``assistant_guess`` (a reply whose answer
+    value is not to be imitated), ``tool`` (tool output), ``user`` (reminder).
     Styles: ``tool`` (call, then answer), ``two_step`` (two calls for three
     operands), ``direct`` (answers at once, right only by luck for a small
     model), ``typo`` (a mistyped call, answers the wrong result), ``recover``
@@ -229,7 +230,9 @@ def demo_turns(task: Task, rng: random.Random, style: str) -> list[tuple[str, st
         return [("assistant", f"<calc>{first}</calc>"), ("tool", v), ("assistant", f"<calc>{rest}</calc>"),
                 ("tool", str(ans))] + final
     if style == "direct":
-        return final
+        # Answering without the tool. The value is marked as a guess: the warm
+        # start learns *when* such replies happen, not digits it cannot compute.
+        return [("assistant_guess", f"<answer>{ans}</answer>")]
     if style == "typo":
         bad = list(e)
         j = rng.choice([k for k, c in enumerate(bad) if c.isdigit()])

@@ -5,11 +5,12 @@
     env = make_env(task, ChatFormat(tokenizer), max_turns=4)
     state = src.state_dict(); src.load_state_dict(state)  # checkpoint / resume
 
-Bundled families: ``calc`` (multi-turn, calculator tool), ``upper``
-(single-turn, uppercase a word) and ``reverse`` (single-turn, reverse a word;
-not in the warm start, so the bundled policy does not solve it: a
-throughput/comparison task); ``mix`` interleaves calc and upper (even indices
-calc, odd upper).
+Bundled families: ``calc`` (multi-turn, calculator tool; what the bundled
+policy is warm-started on), ``upper`` (single-turn, uppercase a word) and
+``reverse`` (single-turn, reverse a word). The single-turn families are for
+variety and for comparisons with single-turn frameworks; the default warm
+start does not train them, so the bundled policy starts near 0 there.
+``mix`` interleaves calc and upper (even indices calc, odd upper).
 
 Adding a family (the hook ``envs/coding`` uses): call
 

@@ -6,8 +6,8 @@
 One reply ends the episode: with ``<answer>X</answer>`` the status is ``ok``
 and the reward 1 if X is exactly the uppercased word, else 0; a reply without
 a complete answer tag ends with ``format_error`` (reward 0). No tools, one
-turn: the single-turn family of the bundled ``mix``, learnable by the small
-policy (a character map at a fixed offset), unlike ``reverse``.
+turn: the single-turn family of the bundled ``mix`` (a character map, easier
+for a small policy than ``reverse``).
 
 Words are 3-7 lowercase letters; the split of a word is a hash of its text
 (``calc.split_of``), so train and held-out words never overlap.

@@ -71,16 +71,23 @@ def bundled_policy_path(data_dir: str | Path | None = None, seed: int = 0) -> Pa
     from mixrl.models import pretrain
 
     recipe = pretrain.Recipe(seed=seed)
-    root = mixrl_home(data_dir)
-    out = root / f"policy-{recipe.digest()}"
-    if (out / "recipe.json").exists():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".policy-{recipe.digest()}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits, then finds it built
-        if not (out / "recipe.json").exists():
-            pretrain.pretrain(recipe, out)
+    out = mixrl_home(data_dir) / f"policy-{recipe.digest()}"
+    if not (out / "recipe.json").exists():
+        build_locked(recipe, out)
     return out
+
+
+def build_locked(recipe: Any, out: Path, force: bool = False) -> bool:
+    """Pretrain ``recipe`` into ``out`` under a file lock; False if it was already built."""
+    from mixrl.models import pretrain
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits, then finds it built
+        if (out / "recipe.json").exists() and not force:
+            return False
+        pretrain.pretrain(recipe, out)
+        return True
 
 
 def resolve(path_or_bundled: str | Path) -> Path:

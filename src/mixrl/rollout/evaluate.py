@@ -80,7 +80,7 @@ def evaluate(
     n_tasks: int | None = None,
     seed: int = 0,
     *,
-    task: str = "mix",
+    task: str = "calc",
     precision: str = "fp32",
     profile: str | None = None,
     temperature: float = 1.0,
@@ -155,7 +155,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--k", type=int, default=4, help="k of pass@k (default 4)")
     parser.add_argument("--n", type=int, default=None, help="samples per task (default k; >= k)")
     parser.add_argument("--tasks", type=int, default=None, help="held-out tasks (default all)")
-    parser.add_argument("--task", default="mix", help="task family or mix (default mix)")
+    parser.add_argument("--task", default="calc", help="task family or mix (default calc)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
     parser.add_argument("--profile", default=None, help="sampler profile name (overrides --precision)")
