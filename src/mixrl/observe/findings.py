@@ -28,9 +28,18 @@ class Finding:
     evidence: str
 
 
-def kl_growth(run: Run, early: int = 5, late: int = 10) -> float:
+def kl_growth(run: Run, skip: int = 10, early: int = 10, late: int = 10) -> float:
+    """Mean KL of the last ``late`` steps over the mean of steps (skip, skip + early].
+
+    The first steps are skipped as in the collapse monitor: an async run has no
+    staleness yet, so their KL is the precision mismatch alone.
+    """
     k = kl_key(run)
-    e, last = run.mean(k, first=early), run.mean(k, last=late)
+    _, ys = run.series(k)
+    if len(ys) < skip + early + late:
+        skip = 0
+    e = sum(ys[skip:skip + early]) / max(1, len(ys[skip:skip + early])) if ys else math.nan
+    last = run.mean(k, last=late)
     return last / e if e and e > 0 else math.nan
 
 

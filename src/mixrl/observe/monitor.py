@@ -8,8 +8,8 @@ The signals (CORRECTIONS.md §10, "Collapse signals"):
 2. ``kl_growth``: the smoothed sampler-trainer KL reaches ``kl_factor`` x its
    early-run level. The KL is ``mismatch/kl_exact`` where the support is
    recorded, else ``mismatch/kl_k3``; never k1, which is too noisy at small
-   batches and can turn negative. The early level is the mean over the first
-   ``early_steps`` steps that report it;
+   batches and can turn negative. The early level is the mean over the
+   ``early_steps`` steps that follow the ``warmup_steps`` first ones;
 3. ``format_errors``: the smoothed share of episodes ending on repeated format
    errors (``rollout/format_error_end``) exceeds ``format_error_frac``.
 
@@ -19,7 +19,7 @@ appended to ``collapse.jsonl`` in the run directory by the caller.
 
 Example::
 
-    mon = CollapseMonitor(MonitorConfig(early_steps=3))
+    mon = CollapseMonitor(MonitorConfig(early_steps=3, warmup_steps=3))
     for step, m in enumerate(metrics, 1):
         for ev in mon.update(step, m):
             print(ev)            # {"step": 12, "signal": "kl_growth", "active": True, ...}
@@ -41,11 +41,15 @@ SIGNALS = ("reward_drop", "kl_growth", "format_errors")
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    ema: float = 0.3  # weight of the newest value in the moving averages, in (0, 1]
+    # 0.1: at 8 prompts x 8 samples a step's mean reward has a std of ~0.06; the
+    # average then moves ~0.015, so a 0.15 fall is a trend, not one bad batch.
+    ema: float = 0.1  # weight of the newest value in the moving averages, in (0, 1]
     reward_drop: float = 0.15  # absolute fall below the running best of the smoothed reward
     kl_factor: float = 3.0  # smoothed KL >= kl_factor x early level
-    early_steps: int = 5  # steps that define the early KL level
-    warmup_steps: int = 5  # no signal fires before this many steps
+    early_steps: int = 10  # steps (after warm-up) that define the early KL level
+    # The early KL level is taken after warm-up: in an async run the first steps
+    # have no staleness yet, so their KL is the precision mismatch alone.
+    warmup_steps: int = 10  # no signal fires, and no early level is taken, before this
     format_error_frac: float = 0.5  # "most episodes" end on format errors
     kl_floor: float = 1e-8  # early KL below this is treated as this (avoids 0 x 3 = 0)
 
@@ -94,7 +98,7 @@ class CollapseMonitor:
             self.kl_key = next((k for k in KL_KEYS if _finite(metrics.get(k)) is not None), None)
         kl = _finite(metrics.get(self.kl_key)) if self.kl_key else None
         if kl is not None:
-            if len(self.kl_early) < self.cfg.early_steps:
+            if self.steps > self.cfg.warmup_steps and len(self.kl_early) < self.cfg.early_steps:
                 self.kl_early.append(kl)
             self.kl_ema = self._ema(self.kl_ema, kl)
         f = _finite(metrics.get(FORMAT_KEY))

@@ -70,7 +70,7 @@ def markdown(dir_: Path, rep: dict[str, Any], k: int) -> str:
     for row in rep["rows"]:
         lines.append("| " + " | ".join(_fmt(row.get(c, "")) for c in cols) + " |")
     lines += ["", "Costs are modelled: tokens generated / profile throughput x profile price "
-              "(list prices by default). KL growth = mean KL over the last 10 steps / first 5 "
+              "(list prices by default). KL growth = mean KL over the last 10 steps / steps 11-20 "
               "(exact KL where the support is recorded, else k3).", ""]
     if rep["findings"]:
         lines += ["## The seed's findings", ""]
