@@ -194,6 +194,7 @@ class ObserveConfig(_Section):
     run_dir: str = Field(default="runs/demo", min_length=1, description="output directory (config, metrics.jsonl, events, checkpoints, eval.json)")
     tensorboard: bool = Field(default=True, description="write TensorBoard event files")
     progress: bool = Field(default=True, description="show a progress bar")
+    stop_on_collapse: bool = Field(default=False, description="end the run when the collapse monitor flags a collapse")
 
 
 class RunConfig(_Section):

@@ -191,6 +191,10 @@ class Orchestrator:
                 self._record(m, elapsed)
                 if self.sinks is not None and hasattr(self.sinks, "batch"):
                     self.sinks.batch(self.step, version, groups)
+                if self.cfg.observe.stop_on_collapse and self.monitor is not None and self.monitor.collapsed:
+                    print(f"collapse flagged at step {self.monitor.first_collapse_step} "
+                          "(observe.stop_on_collapse): stopping")
+                    break
                 ce = self.cfg.runtime.checkpoint_every
                 if ce and self.step % ce == 0 and self.step < self.cfg.runtime.steps:
                     await self.checkpoint()
@@ -259,6 +263,7 @@ class Orchestrator:
             "trainer_idle_frac": self.timers["wait_s"] / el,
             "timers": dict(self.timers),
             "fleet": self.fleet.metrics(),
+            "collapse": self.monitor.summary() if self.monitor is not None else None,
         }
 
     async def close(self) -> None:
