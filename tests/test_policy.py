@@ -26,7 +26,8 @@ def test_tiny_config_and_bad_shape() -> None:
 
 def test_demonstrations_mask_only_assistant_tokens() -> None:
     chat = ChatFormat(build_tokenizer())
-    data = pretrain.demonstrations(MINI, chat, 40)
+    recipe = dataclasses.replace(MINI, p_calc=0.7)  # both families (the default is calc only)
+    data = pretrain.demonstrations(recipe, chat, 40)
     for ids, labels in data:
         assert len(ids) == len(labels)
         text = chat.decode(ids)
@@ -44,7 +45,7 @@ def test_demonstrations_mask_only_assistant_tokens() -> None:
     for _ids, y in direct:
         sup = chat.decode([t for t in y if t != -100])
         assert sup == "<answer></answer><|end|>", sup
-    assert pretrain.demonstrations(MINI, chat, 40) == data  # seeded
+    assert pretrain.demonstrations(recipe, chat, 40) == data  # seeded
 
 
 def test_pretrain_reproducible_by_seed(tmp_path) -> None:

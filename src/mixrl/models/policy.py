@@ -1,6 +1,6 @@
 """The bundled small policy: a tiny Qwen3 warm-started on the bundled tasks.
 
-    model, tok = load_policy("bundled")          # builds it on first use (~2 min, 2 cores)
+    model, tok = load_policy("bundled")          # builds it on first use (see pretrain.py)
     model, tok = load_policy("/path/to/hf_dir")  # any local HF causal-LM directory
 
 ``bundled_policy_path()`` is a cache: ``$MIXRL_HOME/policy-<hash>`` (default
