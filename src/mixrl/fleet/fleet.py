@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -110,11 +111,26 @@ class Fleet:
 
     # -- replicas -----------------------------------------------------------------
     async def start(self) -> None:
-        """Create the initial replicas and wait until they serve the newest weights."""
-        names = []
+        """Create the initial replicas and wait until they serve the newest weights.
+
+        A replica whose engine cannot start (a format the platform cannot run, a
+        broken install) is a replica failure: counted, reported on stderr (the
+        run log), and the fleet goes on with the others. Only a fleet where no
+        replica starts at all is an error.
+        """
+        names, errors = [], []
         for g in self.specs.values():
             for _ in range(g.replicas):
-                names.append(await self._add(g.name))
+                try:
+                    names.append(await self._add(g.name))
+                except Exception as e:  # noqa: BLE001 - any start-up error fails that replica only
+                    self.counts["replica_failures"] += 1
+                    errors.append(f"group {g.name!r}: {type(e).__name__}: {e}")
+                    print(f"sampler replica failed to start, continuing without it: {errors[-1]}",
+                          file=sys.stderr, flush=True)
+        self.start_errors = errors
+        if not names:
+            raise RuntimeError("no sampler replica could start:\n" + "\n".join(errors))
         await asyncio.gather(*(self._sync_tasks[n] for n in names if n in self._sync_tasks))
 
     async def add_replica(self, group: str, *, wait: bool = True) -> str:
