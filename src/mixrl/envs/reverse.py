@@ -15,14 +15,11 @@ Words are 3-6 lowercase letters; the split of a word is a hash of its text
 from __future__ import annotations
 
 import random
-import re
 import string
 
-from mixrl.envs.base import Env, StepResult, Task
+from mixrl.envs.base import Task
 from mixrl.envs.calc import split_of
-from mixrl.envs.chat import ChatFormat
-
-_ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
+from mixrl.envs.single_turn import SingleTurnEnv
 
 
 def make_task(seed: int, split: str, index: int) -> Task:
@@ -36,24 +33,8 @@ def make_task(seed: int, split: str, index: int) -> Task:
     return Task(prompt_id=f"reverse/{split}/s{seed}/{index}", family="reverse", split=split, data=data)
 
 
-class ReverseEnv(Env):
-    """One single-turn episode."""
-
-    def __init__(self, task: Task, chat: ChatFormat) -> None:
-        self.task = task
-        self.chat = chat
-        self.stop_ids = chat.stop_ids
-
-    async def reset(self) -> list[int]:
-        return self.chat.prompt(self.task.data["question"])
-
-    async def step(self, generated: list[int], finish_reason: str) -> StepResult:
-        close = [] if generated and generated[-1] in self.stop_ids else [self.chat.end_of_turn_id]
-        m = _ANSWER.search(self.chat.reply_text(generated))
-        if m is None:
-            return StepResult(close, True, 0.0, "format_error")
-        ok = m.group(1).strip() == self.task.data["answer"]
-        return StepResult(close, True, 1.0 if ok else 0.0, "ok", info={"answer": m.group(1)[:32]})
+class ReverseEnv(SingleTurnEnv):
+    """One single-turn reverse episode."""
 
 
 def demo_turns(task: Task, rng: random.Random, style: str) -> list[tuple[str, str]]:
