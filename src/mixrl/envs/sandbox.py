@@ -7,60 +7,52 @@
 
 Layout and why it stays safe
 ----------------------------
-Each episode owns a private host directory ``<tmp>/mixrl-sb-XXXX`` (mode
-0711, owned by the host user) holding ``snapshot/`` (the pristine copy, read
-only inside) and ``work/`` (the episode's repository). Every command is a new
-``bwrap`` with fresh user, pid, network, ipc, uts and cgroup namespaces;
-``work/`` is bound read-write at ``/testbed``, the only writable host path.
-We keep a host directory (not one long-lived sandbox process) so that no
-process of the model outlives its command (the pid namespace dies with its
-command, taking ``&``-backgrounded children with it), nothing in the sandbox
-can tamper with a supervisor, and every command starts from the same known
-state except ``/testbed``. The host never follows anything the model wrote:
-``diff`` runs in a sandbox, cleanup is ``shutil.rmtree`` (which does not
-follow symlinks), and the disk check uses ``lstat``.
+Each episode owns a private host directory ``<tmp>/mixrl-sb-XXXX`` (mode 0711, owned by the
+host user) holding ``snapshot/`` (the pristine copy, read only inside) and ``work/`` (the
+episode's repository). Every command is a new ``bwrap`` with fresh user, pid, network, ipc,
+uts and cgroup namespaces; ``work/`` is bound read-write at ``/testbed``, the only writable
+host path. We keep a host directory (not one long-lived sandbox process) so that no process
+of the model outlives its command (the pid namespace dies with its command, taking
+``&``-backgrounded children with it), nothing in the sandbox can tamper with a supervisor,
+and every command starts from the same known state except ``/testbed``. The host never
+follows anything the model wrote: ``diff`` runs in a sandbox, cleanup is ``shutil.rmtree``
+(which does not follow symlinks), and the disk check uses ``lstat``.
 
-Inside: ``/usr`` (and the ``/bin``, ``/lib*`` links) read-only, no ``/etc``
-and no ``/home`` or ``/root``, a private ``/proc`` (new pid namespace: no host
-process is visible), a minimal read-only ``/dev``, size-capped tmpfs ``/tmp`` and
-``/dev/shm`` (per command), the root read-only, a clean environment, no
-capabilities, nested user namespaces disabled. The network namespace has only
-its own loopback, so neither external hosts nor the host's ``127.0.0.1`` or
-abstract unix sockets are reachable.
+Inside: ``/usr`` (and the ``/bin``, ``/lib*`` links) read-only, no ``/etc`` and no ``/home``
+or ``/root``, a private ``/proc`` (new pid namespace: no host process is visible), a minimal
+read-only ``/dev``, size-capped tmpfs ``/tmp`` and ``/dev/shm`` (per command), the root
+read-only, a clean environment, no capabilities, nested user namespaces disabled. The
+network namespace has only its own loopback, so neither external hosts nor the host's
+``127.0.0.1`` or abstract unix sockets are reachable.
 
-Limits: when the host user is root, ``bwrap`` runs as an unprivileged host
-uid (``SANDBOX_UID``, ``nobody``) — root's processes are exempt from
-``RLIMIT_NPROC``, so a fork bomb could not be stopped otherwise.
-``prlimit`` inside then sets CPU seconds, address space, processes, file
-size, open files and no core dumps. ``RLIMIT_NPROC`` is counted per user
-namespace (Linux >= 5.14 ucounts), so one sandbox's fork bomb does not starve
-another's. Wall time: the ``bwrap`` process group is killed; its init dies
-with it (``--die-with-parent``) and the kernel kills the whole pid namespace.
-Output (stdout and stderr merged) is read in chunks; at most
-``output_bytes`` are kept, the rest is drained and dropped.
+Limits: when the host user is root, ``bwrap`` runs as an unprivileged host uid
+(``SANDBOX_UID``, ``nobody``) — root's processes are exempt from ``RLIMIT_NPROC``, so a fork
+bomb could not be stopped otherwise. ``prlimit`` inside then sets CPU seconds, address
+space, processes, file size, open files and no core dumps. ``RLIMIT_NPROC`` is counted per
+user namespace (Linux >= 5.14 ucounts), so one sandbox's fork bomb does not starve
+another's. Wall time: the ``bwrap`` process group is killed; its init dies with it (``--die-
+with-parent``) and the kernel kills the whole pid namespace. Output (stdout and stderr
+merged) is read in chunks; at most ``output_bytes`` are kept, the rest is drained and
+dropped.
 
-Python: ``python``/``python3`` is the system interpreter when it has the
-host's major.minor version (else the host's base interpreter, bound read only
-at its own path because of its rpath), and ``pytest`` with its pure-Python
-dependencies is bound read only under ``/opt/pysite`` (on ``PYTHONPATH``).
+Python: ``python``/``python3`` is the system interpreter when it has the host's major.minor
+version (else the host's base interpreter, bound read only at its own path because of its
+rpath), and ``pytest`` with its pure-Python dependencies is bound read only under
+``/opt/pysite`` (on ``PYTHONPATH``).
 
-Disk: ``RLIMIT_FSIZE`` bounds each file, and the size of ``/testbed`` is
-checked (by ``lstat``) every ``DISK_POLL_S`` while a command runs and once
-after it; past ``disk_bytes`` the command is killed (``killed_by == "disk"``).
-Between two polls a command can still overshoot by what it writes in that
-time. For a hard bound, put the episodes (``tmp_root``) on a size-limited
-filesystem; a
-tmpfs such as ``/dev/shm`` also makes create/close much faster than a busy
-disk, at the price of memory.
+Disk: ``RLIMIT_FSIZE`` bounds each file, and the size of ``/testbed`` is checked (by
+``lstat``) every ``DISK_POLL_S`` while a command runs and once after it; past ``disk_bytes``
+the command is killed (``killed_by == "disk"``). Between two polls a command can still
+overshoot by what it writes in that time. For a hard bound, put the episodes (``tmp_root``)
+on a size-limited filesystem; a tmpfs such as ``/dev/shm`` also makes create/close much
+faster than a busy disk, at the price of memory.
 
-Host paths bound read only (``/usr``, pytest under the venv, the grader's
-files) must be readable by the sandbox uid, or every command fails with
-``SandboxError``.
+Host paths bound read only (``/usr``, pytest under the venv, the grader's files) must be
+readable by the sandbox uid, or every command fails with ``SandboxError``.
 
-Failures of ours (``bwrap`` missing, a mount that fails) raise
-``SandboxError``: the environment turns them into ``infra_failed``, never a
-reward of 0. Anything the model can cause (a crash, a timeout, a full disk,
-unreadable files) is reported in the result instead.
+Failures of ours (``bwrap`` missing, a mount that fails) raise ``SandboxError``: the
+environment turns them into ``infra_failed``, never a reward of 0. Anything the model can
+cause (a crash, a timeout, a full disk, unreadable files) is reported in the result instead.
 """
 
 from __future__ import annotations
