@@ -56,10 +56,10 @@ def test_vllm_and_builtin_groups_in_one_run(vllm_policy: Path, tmp_path: Path) -
     for g in ("vllm-fp32", "nvfp4"):
         ks = [r[f"mismatch/kl_k3/{g}"] for r in rows if f"mismatch/kl_k3/{g}" in r]
         assert ks and all(k >= 0 for k in ks)
-    # FP32 vLLM on fresh weights agrees with the FP32 trainer far better than NVFP4 does.
-    first = rows[0]
-    if "mismatch/kl_k3/vllm-fp32" in first and "mismatch/kl_k3/nvfp4" in first:
-        assert first["mismatch/kl_k3/vllm-fp32"] < first["mismatch/kl_k3/nvfp4"]
+    # FP32 vLLM agrees with the FP32 trainer far better than NVFP4 does (same steps).
+    both = [r for r in rows if "mismatch/kl_k3/vllm-fp32" in r and "mismatch/kl_k3/nvfp4" in r]
+    assert both
+    assert sum(r["mismatch/kl_k3/vllm-fp32"] for r in both) < sum(r["mismatch/kl_k3/nvfp4"] for r in both)
 
 
 def test_engine_that_cannot_start_fails_only_its_replica(tiny_policy: Path, tmp_path: Path,
