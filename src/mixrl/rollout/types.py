@@ -12,8 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-Status = Literal["ok", "format_error", "max_turns", "truncated", "infra_failed"]
-STATUSES: tuple[str, ...] = ("ok", "format_error", "max_turns", "truncated", "infra_failed")
+Status = Literal["ok", "format_error", "max_turns", "truncated", "infra_failed", "reward_failed"]
+STATUSES: tuple[str, ...] = ("ok", "format_error", "max_turns", "truncated", "infra_failed", "reward_failed")
+# Episodes without a reward (reward None): an infrastructure failure, or a user
+# reward function that raised / returned NaN or None. Never reward 0: they are
+# left out of advantages and of the loss, and counted.
+UNREWARDED: tuple[str, ...] = ("infra_failed", "reward_failed")
 
 
 @dataclass
@@ -29,7 +33,7 @@ class Trajectory:
     cand_offsets: list[int] = field(default_factory=lambda: [0])  # [n_gen + 1]
     cand_ids: list[int] = field(default_factory=list)  # [K] candidates of q, all gen tokens
     cand_logprobs: list[float] = field(default_factory=list)  # [K] log q(v)
-    reward: float | None = None  # None until the episode ends (and for infra_failed)
+    reward: float | None = None  # None until the episode ends (and for UNREWARDED statuses)
     status: str = "ok"  # one of STATUSES
     turns: int = 0  # assistant turns taken
     num_malformed: int = 0  # malformed tool calls
