@@ -4,13 +4,22 @@ Each benchmark is a module exposing ``configure(parser)`` and ``main(args) -> in
 (the same convention as the top-level commands). Only the chosen module is
 imported, so ``mixrl bench --help`` stays light and a benchmark that is not part
 of this build is reported by name instead of failing on import of the others.
+
+``--save FILE`` (before the benchmark's name) also writes the benchmark's JSON
+with the command line and the machine's facts (CPU model and flags, cores,
+load, versions: ``mixrl.bench.machine``), the artifact the README's tables are
+made from (``scripts/readme_tables.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import io
+import json
 import sys
+from pathlib import Path
 
 # benchmark -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
@@ -25,6 +34,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     lines = [f"  {name:8s} {help_}" for name, (_, help_) in BENCHES.items()]
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "benchmarks:\n" + "\n".join(lines) + "\n\n'mixrl bench NAME --help' lists its options."
+    parser.add_argument("--save", metavar="FILE", default=None,
+                        help="also write the JSON result with the machine's facts to FILE")
     parser.add_argument("bench", nargs="?", choices=list(BENCHES), metavar="BENCH", help="which benchmark")
     parser.add_argument("rest", nargs=argparse.REMAINDER, help="options of that benchmark")
 
@@ -46,4 +57,32 @@ def main(args: argparse.Namespace) -> int:
         return 2
     parser = argparse.ArgumentParser(prog=f"mixrl bench {args.bench}", description=help_)
     module.configure(parser)
-    return int(module.main(parser.parse_args(args.rest)) or 0)
+    bench_args = parser.parse_args(args.rest)
+    if not args.save:
+        return int(module.main(bench_args) or 0)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = int(module.main(bench_args) or 0)
+    text = out.getvalue()
+    sys.stdout.write(text)
+    _save(Path(args.save), args.bench, args.rest, text)
+    return rc
+
+
+def _save(path: Path, bench: str, rest: list[str], text: str) -> None:
+    """Write the last JSON object the benchmark printed, with its command and machine."""
+    from mixrl.bench.machine import facts
+
+    start = text.rfind("\n{") + 1 if not text.lstrip().startswith("{") else text.find("{")
+    try:
+        result = json.loads(text[start:])
+    except json.JSONDecodeError:
+        print("mixrl bench: --save needs the benchmark's --json output (got no JSON object)",
+              file=sys.stderr)
+        return
+    record = {"command": " ".join(["mixrl", "bench", bench, *rest]), "machine": facts(),
+              "result": result}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2, default=float) + "\n")
+    tmp.replace(path)
