@@ -195,6 +195,48 @@ class ObserveConfig(_Section):
     tensorboard: bool = Field(default=True, description="write TensorBoard event files")
     progress: bool = Field(default=True, description="show a progress bar")
     stop_on_collapse: bool = Field(default=False, description="end the run when the collapse monitor flags a collapse")
+    wandb: dict[str, Any] | None = Field(default=None, description='Weights & Biases sink: wandb.init keywords, e.g. {project = "my-project"}')
+    trackio: dict[str, Any] | None = Field(default=None, description='trackio sink: trackio.init keywords, e.g. {project = "my-project"}')
+
+
+class DataConfig(_Section):
+    """Your prompts: a dataset file, a saved dataset directory or a hub dataset id (mixrl.data)."""
+
+    train: str | None = Field(default=None, min_length=1, description="JSON/JSONL, Parquet or CSV file, a save_to_disk directory, or a hub id in the local cache; None = env.name's own tasks")
+    heldout: str | None = Field(default=None, min_length=1, description="held-out prompts (same forms as train); or use heldout_fraction")
+    heldout_fraction: float | None = Field(default=None, gt=0, lt=1, description="share of train rows held out by a seeded split (when heldout is unset)")
+    prompt_key: str = Field(default="prompt", min_length=1, description="column with the prompt: a string, or a list of chat messages")
+    train_split: str = Field(default="train", min_length=1, description="split to read when train is a hub id or a saved DatasetDict")
+    heldout_split: str = Field(default="test", min_length=1, description="split to read when heldout is a hub id or a saved DatasetDict")
+    shuffle: bool = Field(default=True, description="seeded shuffle of the train rows, a new order every epoch")
+
+    @model_validator(mode="after")
+    def _heldout(self) -> DataConfig:
+        if self.heldout is not None and self.heldout_fraction is not None:
+            raise ValueError("set heldout or heldout_fraction, not both")
+        if self.train is None and (self.heldout is not None or self.heldout_fraction is not None):
+            raise ValueError("heldout / heldout_fraction need train")
+        return self
+
+
+class RewardConfig(_Section):
+    """Reward functions (mixrl.envs.rewards): TRL's signature or verl's compute_score."""
+
+    function: str | None = Field(default=None, min_length=1, description='one reward function: "reward.py:exact_match" or "package.module:fn"')
+    functions: list[str] = Field(default_factory=list, description="several reward functions (summed with weights)")
+    weights: list[float] | None = Field(default=None, description="one weight per function (default 1 each)")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> RewardConfig:
+        if self.function is not None and self.functions:
+            raise ValueError("set function or functions, not both")
+        n = len(self.specs())
+        if self.weights is not None and len(self.weights) != n:
+            raise ValueError(f"weights has {len(self.weights)} entries for {n} functions")
+        return self
+
+    def specs(self) -> list[str]:
+        return [self.function] if self.function is not None else list(self.functions)
 
 
 class RunConfig(_Section):
@@ -208,6 +250,15 @@ class RunConfig(_Section):
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
     runtime: RuntimeConfig = Field(default_factory=lambda: RuntimeConfig())
     observe: ObserveConfig = Field(default_factory=lambda: ObserveConfig())
+    data: DataConfig = Field(default_factory=lambda: DataConfig())
+    reward: RewardConfig = Field(default_factory=lambda: RewardConfig())
+
+    @model_validator(mode="after")
+    def _dataset_env(self) -> RunConfig:
+        # With your own data, the environment defaults to the dataset one (reward functions on the reply).
+        if self.data.train is not None and "name" not in self.env.model_fields_set:
+            self.env.name = "dataset"
+        return self
 
 
 @dataclass(frozen=True)
