@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""Regenerate the README's result tables from the artifacts in docs/artifacts/.
+
+    python scripts/readme_tables.py           # rewrite README.md in place
+    python scripts/readme_tables.py --check   # exit 1 if README.md is out of date
+
+Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` in
+README.md and is made only from artifact files (``scripts/record.py`` and
+``mixrl bench --save`` write them, with the command and the machine's facts):
+no figure in those tables is typed by hand. Standard library only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "docs" / "artifacts"
+
+
+def _load(name: str) -> dict | None:
+    path = ARTIFACTS / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, bool) or v is None:
+        return str(v).lower()
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, float):
+        if v != 0 and (abs(v) < 1e-2 or abs(v) >= 1e5):
+            return f"{v:.2e}"
+        return f"{v:.3g}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
+
+
+def _machine(m: dict) -> str:
+    flags = "+".join(m.get("cpu_flags") or []) or "no AVX2"
+    return f"{m.get('cores')} cores, {flags}, load {m.get('load_avg_1m')}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def table_eval() -> str:
+    rows = []
+    for name, label in (("eval_base.json", "bundled policy"), ("eval_demo.json", "after `mixrl train`")):
+        art = _load(name)
+        if art is None:
+            continue
+        r = art["result"]
+        k = r.get("k", 4)
+        digest = str(r.get("policy_digest") or art.get("policy_digest") or "")[:12]
+        rows.append([label, f"`{art['command']}`", _fmt(r.get("pass@1")), _fmt(r.get(f"pass@{k}")),
+                     f"{r.get('tasks')} x {r.get('n')}", digest or "-", _machine(art["machine"])])
+    return _table(["policy", "command", "pass@1", "pass@k", "tasks x samples", "weights digest", "machine"], rows)
+
+
+def table_bench() -> str:
+    rows = []
+    for path in sorted(ARTIFACTS.glob("bench_*.json")):
+        art = json.loads(path.read_text())
+        res = art["result"]
+        scalars = [f"{k} {_fmt(v)}" for k, v in res.items() if not isinstance(v, (dict, list))]
+        rows.append([f"`{art['command']}`", "; ".join(scalars), _machine(art["machine"])])
+    return _table(["command", "result", "machine"], rows)
+
+
+def table_probe() -> str:
+    art = _load("probe.json")
+    if art is None:
+        return ""
+    rows = []
+    for name, r in art["result"].get("profiles", {}).items():
+        rows.append([name, str(r.get("weight_format")), str(r.get("kv_format")),
+                     _fmt(r.get("mismatch/kl_exact")), _fmt(r.get("mismatch/kl_k3")), _fmt(r.get("mismatch/tv")),
+                     _fmt(r.get("mismatch/ratio_oob")), _fmt(r.get("max_abs_log_ratio"))])
+    for name, why in (art["result"].get("skipped") or {}).items():
+        rows.append([name, "skipped", why, "", "", "", "", ""])
+    table = _table(["profile", "weights", "KV", "exact KL", "k3", "TV", "outside [0.2, 5]", "max abs log-ratio"], rows)
+    return f"`{art['command']}` on {_machine(art['machine'])}:\n\n{table}"
+
+
+TABLES: dict[str, Callable[[], str]] = {"eval": table_eval, "bench": table_bench, "probe": table_probe}
+
+
+def render(text: str) -> str:
+    def repl(m: re.Match) -> str:
+        name = m.group(1)
+        if name not in TABLES:
+            raise SystemExit(f"readme_tables: unknown table {name!r} in README.md (known: {', '.join(TABLES)})")
+        return f"<!-- table:{name} -->\n{TABLES[name]()}\n<!-- /table:{name} -->"
+
+    return re.sub(r"<!-- table:(\w+) -->.*?<!-- /table:\1 -->", repl, text, flags=re.S)
+
+
+def main(argv: list[str]) -> int:
+    readme = ROOT / "README.md"
+    old = readme.read_text()
+    new = render(old)
+    if "--check" in argv:
+        if new != old:
+            print("README.md tables are out of date: run python scripts/readme_tables.py", file=sys.stderr)
+            return 1
+        return 0
+    readme.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
