@@ -70,7 +70,7 @@ aggregations = st.sampled_from(["token_mean", "seq_mean_token_mean", "seq_mean_t
 def loss_configs(
     draw, *, score_centering: bool | None = None, support_replay: bool = False
 ) -> LossConfig:
-    """Any valid composition: one token weight or one sequence weight, plus masks."""
+    """Any valid composition: one token weight or one sequence weight, plus masks (none with SC)."""
     tok = draw(token_rules)
     seq = None if tok is not None else draw(seq_rules)
     corr = [c for c in (tok, seq) if c is not None] + draw(masks)
@@ -78,6 +78,8 @@ def loss_configs(
     obj = draw(objectives)
     if sc and obj.type == "gspo":
         obj = PGObjective()
+    if sc:  # score centering rejects every per-sequence factor (docs/corrections.md section 12)
+        corr = [c for c in corr if c.type in ("tis", "mis")]
     return LossConfig(
         objective=obj,
         corrections=corr,

@@ -150,7 +150,12 @@ def compute_loss(
             > 0
         )
         metrics["corr/seq_dropped_frac"] = masked_mean(beh.seq_dropped.to(dt), has_tok)
-        metrics["corr/ess"] = w.sum() ** 2 / (n_valid * (w * w).sum()).clamp_min(1e-30)
+        # ESS is scale-free: divide by max w first, so (Σw)² and Σw² stay finite in float32
+        wn = w / w.amax().clamp_min(1e-30) if w.numel() else w
+        metrics["corr/ess"] = wn.sum() ** 2 / (n_valid * (wn * wn).sum()).clamp_min(1e-30)
+        # the ±clamp zeroes the gradient of a token whose log-ratio is beyond it: count them
+        beyond = ((old - lq).abs() > clamp) | ((lp.detach() - old).abs() > clamp)
+        metrics["corr/clamped_tokens"] = (beyond & valid).sum()
         metrics["corr/nonfinite_tokens"] = nonfinite
         if inputs.entropy is not None:
             ent_ok = valid & torch.isfinite(inputs.entropy)

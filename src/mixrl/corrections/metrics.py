@@ -1,4 +1,4 @@
-"""Mismatch and correction metrics (CORRECTIONS.md section 10; the names are the contract).
+"""Mismatch and correction metrics (docs/corrections.md section 10; the names are the contract).
 
 Token-level estimators over valid generated tokens, with ``ρ_t = p_old(y_t)/q(y_t)``:
 
@@ -12,6 +12,21 @@ Per sampler group ``g`` the same means over g's tokens are named ``<metric>/<g>`
 plus ``share/samples/<g>`` (g's share of the trajectories; a trajectory whose
 tokens came from several groups is split by token share) and
 ``share/oob_tokens/<g>`` (g's share of the out-of-range tokens; 0 when there are none).
+
+Precision vs lag. In an asynchronous run a token may come from an older
+weights version than the one the trainer scores it with, so ``mismatch/*``
+mixes two sources: the sampler's numerics and policy lag. When the inputs carry
+``staleness`` (trainer version − token version), every metric above is also
+reported over staleness-0 tokens as ``precision/<m>`` (what the group's
+numerics cost) and over stale tokens as ``lag/<m>``, globally and per group,
+with ``<m>`` in kl_k1, kl_k3, kl_exact, tv, ratio_oob and ``tokens`` (how many
+tokens the mean is over). Tokens of unknown version (< 0) are in neither.
+
+``kl_k3`` and ``tv`` are formed from the clamped log-ratio
+(``clamp(log p_old − log q, ±log_ratio_clamp)``), the same value the
+corrections see; beyond the clamp they understate the true divergence, and
+``corr/clamped_tokens`` counts how often that happens. ``mismatch/log_ratio_max``
+is the largest |log ρ_t| (unclamped) of the batch.
 
 All values are gathered into one tensor and copied to the host once.
 """
@@ -32,6 +47,7 @@ GROUP_METRICS = (
     "mismatch/tv",
     "mismatch/ratio_oob",
 )
+SPLITS = ("precision", "lag")  # staleness 0, staleness > 0
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
@@ -78,16 +94,45 @@ def mismatch_terms(
     return terms
 
 
-def collect_mismatch(inputs: LossInputs, valid: Tensor, clamp: float = 20.0) -> dict[str, Tensor]:
-    """All mismatch metrics, global and per group, as 0-d tensors (no host sync)."""
-    terms = mismatch_terms(inputs, valid, clamp)
-    out = {name: masked_mean(v, m) for name, (v, m) in terms.items()}
+def _grouped(out: dict[str, Tensor], terms: dict[str, tuple[Tensor, Tensor]],
+             inputs: LossInputs) -> None:
+    """Global and per-group means of ``terms`` into ``out`` (in place)."""
+    for name, (v, m) in terms.items():
+        out[name] = masked_mean(v, m)
     if inputs.group_ids is None or not inputs.group_names:
-        return out
+        return
     names, gid, ng = inputs.group_names, inputs.group_ids, len(inputs.group_names)
     for name, (v, m) in terms.items():
         for g, val in zip(names, group_means(v, m, gid, ng).unbind(0), strict=True):
             out[f"{name}/{g}"] = val
+
+
+def _split(terms: dict[str, tuple[Tensor, Tensor]], keep: Tensor, prefix: str,
+           valid: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
+    """``terms`` restricted to ``keep`` under ``prefix/``; ``prefix/tokens`` counts them."""
+    out = {f"{prefix}/{n.split('/', 1)[1]}": (v, m & keep) for n, (v, m) in terms.items()}
+    ones = torch.ones_like(terms["mismatch/kl_k1"][0])
+    out[f"{prefix}/tokens"] = (ones, valid & keep)
+    return out
+
+
+def collect_mismatch(inputs: LossInputs, valid: Tensor, clamp: float = 20.0) -> dict[str, Tensor]:
+    """All mismatch metrics, global and per group (and split by staleness), as 0-d tensors."""
+    terms = mismatch_terms(inputs, valid, clamp)
+    out: dict[str, Tensor] = {}
+    _grouped(out, terms, inputs)
+    dt = terms["mismatch/kl_k1"][0].dtype
+    raw = (inputs.old_logprobs.detach().to(dt) - inputs.sampler_logprobs.detach().to(dt)).abs()
+    out["mismatch/log_ratio_max"] = torch.where(valid, raw, 0.0).amax() if raw.numel() else raw.new_zeros(())
+    if inputs.staleness is not None:
+        st = inputs.staleness
+        for split, keep in (("precision", st == 0), ("lag", st > 0)):
+            sub = _split(terms, keep, split, valid)
+            _grouped(out, sub, inputs)
+            _tokens_as_counts(out, sub[f"{split}/tokens"][1], split, inputs)
+    if inputs.group_ids is None or not inputs.group_names:
+        return out
+    names, gid, ng = inputs.group_names, inputs.group_ids, len(inputs.group_names)
     oob_v, oob_m = terms["mismatch/ratio_oob"]
     oob = oob_v.new_zeros(ng).index_add(0, gid, oob_v * oob_m.to(oob_v.dtype))  # [G]
     share_oob = oob / oob.sum().clamp_min(1.0)
@@ -100,6 +145,17 @@ def collect_mismatch(inputs: LossInputs, valid: Tensor, clamp: float = 20.0) -> 
         out[f"share/samples/{g}"] = share[i]
         out[f"share/oob_tokens/{g}"] = share_oob[i]
     return out
+
+
+def _tokens_as_counts(out: dict[str, Tensor], mask: Tensor, split: str, inputs: LossInputs) -> None:
+    """``<split>/tokens`` (and per group) are token counts, not means of ones."""
+    m = mask.to(torch.float64)
+    out[f"{split}/tokens"] = m.sum()
+    if inputs.group_ids is not None and inputs.group_names:
+        ng = len(inputs.group_names)
+        counts = m.new_zeros(ng).index_add(0, inputs.group_ids, m)
+        for i, g in enumerate(inputs.group_names):
+            out[f"{split}/tokens/{g}"] = counts[i]
 
 
 def to_floats(metrics: dict[str, Tensor]) -> dict[str, float]:

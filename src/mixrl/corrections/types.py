@@ -39,6 +39,9 @@ class LossInputs:
     entropy: Tensor | None = None  # [N] full-vocabulary entropy of p_θ, no grad needed
     group_ids: Tensor | None = None  # [N] long sampler-group index into group_names
     group_names: list[str] | None = None  # names of the sampler groups
+    # [N] long, trainer version − token version (0 = sampled by the weights being
+    # scored); negative = unknown. None: no precision/ vs lag/ split in the metrics.
+    staleness: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -71,6 +74,8 @@ class LossInputs:
             _check("group_ids", self.group_ids, (n,), dtype=torch.long)
             if self.group_names is None:
                 raise ValueError("LossInputs.group_names is None but group_ids is given")
+        if self.staleness is not None:
+            _check("staleness", self.staleness, (n,), dtype=torch.long)
         if self.cand_kind not in CAND_KINDS:
             raise ValueError(
                 f"LossInputs.cand_kind is {self.cand_kind!r}, expected one of {CAND_KINDS}"

@@ -130,7 +130,9 @@ class Trainer:
             cand_trainer_logprobs=clp if kind != "none" else None,
             cand_old_logprobs=cold if kind != "none" else None,
             cand_sampler_logprobs=tb.cand_logprobs if kind != "none" else None,
-            entropy=ent, group_ids=tb.group_ids, group_names=names)
+            entropy=ent, group_ids=tb.group_ids, group_names=names,
+            # trainer version the update starts from − token version: 0 = precision only
+            staleness=torch.where(tb.versions >= 0, self.version - tb.versions, -1))
 
     def _micro(self, records: list[Record]) -> list[list[Record]]:
         m = self.micro_batch_size or len(records)
