@@ -1,4 +1,4 @@
-"""Typed configuration of the RL loss (CORRECTIONS.md sections 5-9).
+"""Typed configuration of the RL loss (docs/corrections.md sections 5-9).
 
 No torch here: the command line validates a config before importing torch.
 
@@ -179,6 +179,8 @@ Correction = Annotated[
 
 TOKEN_WEIGHTS = ("tis", "mis")
 SEQ_WEIGHTS = ("seq_tis", "seq_mis")
+# everything that multiplies a token's loss by a per-sequence factor (incompatible with SC)
+SEQ_FACTORS = ("seq_tis", "seq_mis", "geo_mask", "veto", "opsm")
 
 # --------------------------------------------------------------------- the loss
 
@@ -217,8 +219,9 @@ class LossConfig(_Strict):
     advantage: AdvantageConfig = Field(
         default_factory=AdvantageConfig, description="GRPO advantages"
     )
+    # e^(2c) must stay below float32's 3.4e38 (Σw² of corr/ess): c <= 44; 40 leaves margin
     log_ratio_clamp: float = Field(
-        default=20.0, gt=0.0, le=50.0, description="clamp of log-ratios before exp"
+        default=20.0, gt=0.0, le=40.0, description="clamp of log-ratios before exp"
     )
 
     @model_validator(mode="after")
@@ -239,6 +242,13 @@ class LossConfig(_Strict):
                 f"corrections combines token weight {tok[0]!r} with sequence weight {seq[0]!r}: "
                 "the product counts every token ratio twice"
             )
+        seq_factor = [c.type for c in self.corrections if c.type in SEQ_FACTORS]
+        if self.score_centering and seq_factor:
+            raise ValueError(
+                f"loss.score_centering=True with loss.corrections {seq_factor[0]!r}: the centering "
+                "term would be multiplied by a sequence factor that depends on the sampled token "
+                "(drift returns); set score_centering=False or use a token correction (mis, tis)"
+            )
         if self.score_centering and self.objective.type == "gspo":
             raise ValueError(
                 "score_centering is defined for token objectives (pg, ppo_clip, cispo), not gspo"
@@ -253,22 +263,25 @@ class LossConfig(_Strict):
         return None
 
 
-def check_compatible(loss_cfg: LossConfig, epochs: int) -> None:
-    """Reject loss settings that are undefined for ``epochs`` optimizer passes over a batch.
+def check_compatible(loss_cfg: LossConfig, epochs: int, minibatches: int = 1) -> None:
+    """Reject loss settings that are undefined for ``epochs`` × ``minibatches`` optimizer steps.
 
     Score centering and the ``pg`` objective assume ``p_θ == p_old`` where the
-    gradient is taken (one step per batch, section 7); with several PPO epochs
-    they would silently drop the policy ratio, so they are errors, not guesses.
+    gradient is taken (one step per batch, section 7); with several steps per
+    batch they would silently drop the policy ratio, so they are errors, not guesses.
     """
-    if epochs < 1:
-        raise ValueError(f"epochs must be >= 1, got {epochs}")
-    if epochs > 1 and loss_cfg.score_centering:
-        raise ValueError(
-            f"loss.score_centering=True with epochs={epochs}: score centering is defined for one "
-            "optimizer step per batch; set epochs=1 or score_centering=False"
-        )
-    if epochs > 1 and loss_cfg.objective.type == "pg":
-        raise ValueError(
-            f"loss.objective.type='pg' with epochs={epochs}: plain policy gradient has no policy "
-            "ratio; use ppo_clip, gspo or cispo for several epochs"
-        )
+    for name, n in (("epochs", epochs), ("minibatches", minibatches)):
+        if n < 1:
+            raise ValueError(f"{name} must be >= 1, got {n}")
+    for name, n in (("epochs", epochs), ("minibatches", minibatches)):
+        if n > 1 and loss_cfg.score_centering:
+            raise ValueError(
+                f"loss.score_centering=True with {name}={n}: score centering is defined for one "
+                f"optimizer step per batch; set {name}=1 or score_centering=False"
+            )
+        if n > 1 and loss_cfg.objective.type == "pg":
+            raise ValueError(
+                f"loss.objective.type='pg' with {name}={n}: plain policy gradient has no policy "
+                f"ratio, so later steps would be uncorrected off-policy steps; set {name}=1 or "
+                "use ppo_clip, gspo or cispo"
+            )

@@ -2,15 +2,28 @@
 
 The seed's six arms are ``grpo``, ``grpo+mis``, ``sc``, ``grpo+top-p``,
 ``sc+mis`` and ``sc+mis+top-p`` (MIS range [0.2, 5]); the others use the
-defaults of CORRECTIONS.md section 6. A ``+top-p`` arm samples inside the
+defaults of docs/corrections.md section 6. A ``+top-p`` arm samples inside the
 top-p set and replays that support in the trainer (exact SC); a full-vocabulary
 SC arm records the head of ``q`` and models the tail (section 7).
+
+What a loss needs from the run (:func:`needs`, one row per preset in
+``REQUIREMENTS``) is the single source of the guard rails: :func:`check_run`
+rejects every run setting that would make the loss silently wrong or a no-op
+(docs/corrections.md section 12)::
+
+    needs         candidates   sampler top-p   ratio objective   updates per batch
+    grpo          none         = 1             no (pg)           1
+    sc            head         = 1             no (pg)           1
+    grpo+top-p    support      < 1             no (pg)           1
+    decoupled-ppo none         = 1             yes (ppo_clip)    any
 
 To add a preset: add one entry to ``PRESETS`` below; ``tests/corrections``
 constructs every entry.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -25,6 +38,7 @@ from mixrl.config.loss import (
     PPOClipObjective,
     SeqMIS,
     Veto,
+    check_compatible,
 )
 
 SEED_TOP_P = 0.9  # the "+top-p" arms' nucleus
@@ -107,3 +121,61 @@ def get_preset(name: str) -> Preset:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; valid presets: {', '.join(PRESETS)}")
     return PRESETS[name].model_copy(deep=True)
+
+
+# --------------------------------------------------------------------- what a loss needs
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a loss requires of the sampler and the optimizer (docs/corrections.md section 12)."""
+
+    cand_kind: str  # candidates of q recorded per token: "support" | "head" | "none"
+    top_p: str  # sampler nucleus: "<1" (support replay) or "=1" (full vocabulary)
+    ratio_objective: bool  # the objective has a policy ratio p_θ/p_old (not pg)
+    single_update: bool  # defined only for one optimizer step per batch
+
+
+def needs(loss: LossConfig) -> Needs:
+    """The row of the guard-rail table for ``loss``."""
+    kind = "support" if loss.support_replay else ("head" if loss.score_centering else "none")
+    ratio = loss.objective.type != "pg"
+    return Needs(kind, "<1" if loss.support_replay else "=1", ratio,
+                 single_update=loss.score_centering or not ratio)
+
+
+REQUIREMENTS: dict[str, Needs] = {n: needs(p.loss) for n, p in PRESETS.items()}
+
+
+def check_run(loss: LossConfig, *, preset: str, top_p: float, record: str,
+              epochs: int = 1, minibatches: int = 1) -> None:
+    """Raise ``ValueError`` (one line: both fields and the fix) if the run cannot train ``loss``.
+
+    ``top_p`` and ``record`` are the resolved sampler settings (``Derived``).
+    """
+    n = needs(loss)
+    arm = f"loss.preset={preset!r}"
+    if n.top_p == "<1" and top_p >= 1.0:
+        raise ValueError(f"rollout.top_p={top_p} with {arm}: support replay needs top-p sampling; "
+                         "set rollout.top_p < 1 or choose a preset without support replay")
+    if n.top_p == "=1" and top_p < 1.0:
+        what = ("head+tail score centering needs full-vocabulary sampling" if n.cand_kind == "head"
+                else "without support replay every ratio is biased by the log of the kept top-p mass")
+        raise ValueError(f"rollout.top_p={top_p} with {arm}: {what}; set rollout.top_p=1.0 "
+                         "or use a '+top-p' preset (support replay)")
+    rec_kind = "head" if record.startswith("head:") else record
+    if n.cand_kind != "none" and rec_kind != n.cand_kind:
+        want = "'support'" if n.cand_kind == "support" else "'head:K' (or 'auto')"
+        raise ValueError(f"rollout.record={record!r} with {arm}: the loss needs the {n.cand_kind} of q "
+                         f"recorded per token (every trajectory would be dropped); set rollout.record={want}")
+    updates = epochs * minibatches
+    if updates > 1 and n.single_update:
+        field = "optim.epochs" if epochs > 1 else "optim.minibatches"
+        value = epochs if epochs > 1 else minibatches
+        if loss.score_centering:
+            why, fix = "score centering needs p_θ == p_old where the gradient is taken", f"set {field}=1"
+        else:
+            why = "the pg objective has no policy ratio, so later updates take uncorrected off-policy steps"
+            fix = f"set {field}=1 or loss.overrides.objective={{type=\"ppo_clip\"}}"
+        raise ValueError(f"{field}={value} with {arm} (loss.objective.type={loss.objective.type!r}): {why}; {fix}")
+    check_compatible(loss, epochs, minibatches)

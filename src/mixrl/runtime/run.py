@@ -24,8 +24,8 @@ def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
     """The loss config (preset + overrides) and the derived sampling values."""
     from pydantic import ValidationError
 
-    from mixrl.config.loss import LossConfig, check_compatible
-    from mixrl.config.presets import get_preset
+    from mixrl.config.loss import LossConfig
+    from mixrl.config.presets import check_run, get_preset
     from mixrl.config.run import ConfigError, format_errors
 
     try:
@@ -37,14 +37,15 @@ def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
         try:
             loss = LossConfig.model_validate({**loss.model_dump(), **cfg.loss.overrides})
         except ValidationError as e:
-            raise ConfigError("\n".join("loss.overrides." + line for line in format_errors(e).splitlines())) from None
-    try:
-        check_compatible(loss, cfg.optim.epochs)
-    except ValueError as e:
-        raise ConfigError(f"optim.epochs / loss: {e}") from None
+            lines = format_errors(e).replace("<root>: Value error, ", "").splitlines()
+            raise ConfigError("\n".join("loss.overrides." + line if not line.startswith("loss.") else line
+                                        for line in lines)) from None
     derived = derive(cfg, preset.sampler_top_p, preset.head_k)
-    if getattr(loss, "support_replay", False) and not derived.record == "support":
-        raise ConfigError(f"rollout.record: loss.preset {cfg.loss.preset!r} replays the top-p support: rollout.record must be 'support' (got {derived.record!r})")
+    try:  # the guard rails: one table of what each loss needs (config.presets.needs)
+        check_run(loss, preset=cfg.loss.preset, top_p=derived.top_p, record=derived.record,
+                  epochs=cfg.optim.epochs, minibatches=cfg.optim.minibatches)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     return loss, derived
 
 
