@@ -28,7 +28,7 @@ from torch import Tensor
 from mixrl.corrections.aggregation import token_scale
 from mixrl.corrections.behaviour import apply_corrections
 from mixrl.corrections.centering import candidate_validity, centering_coefficients, centering_term
-from mixrl.corrections.metrics import collect_mismatch, masked_mean, to_floats
+from mixrl.corrections.metrics import collect_mismatch, drop_empty_splits, masked_mean, to_floats
 from mixrl.corrections.objectives import ObjectiveInputs, surrogate
 from mixrl.corrections.ratios import candidate_positions, clamp_log
 from mixrl.corrections.types import LossInputs
@@ -162,4 +162,4 @@ def compute_loss(
             metrics["policy/entropy"] = masked_mean(
                 _zeros_where(ent_ok, inputs.entropy.detach().to(dt)), ent_ok
             )
-    return loss, to_floats(metrics)
+    return loss, drop_empty_splits(to_floats(metrics))

@@ -20,7 +20,9 @@ mixes two sources: the sampler's numerics and policy lag. When the inputs carry
 reported over staleness-0 tokens as ``precision/<m>`` (what the group's
 numerics cost) and over stale tokens as ``lag/<m>``, globally and per group,
 with ``<m>`` in kl_k1, kl_k3, kl_exact, tv, ratio_oob and ``tokens`` (how many
-tokens the mean is over). Tokens of unknown version (< 0) are in neither.
+tokens the mean is over). Tokens of unknown version (< 0) are in neither. A
+split (or a group of a split) without tokens reports only ``tokens`` = 0: a
+mean over nothing is left out rather than written as 0.
 
 ``kl_k3`` and ``tv`` are formed from the clamped log-ratio
 (``clamp(log p_old − log q, ±log_ratio_clamp)``), the same value the
@@ -168,6 +170,19 @@ def to_floats(metrics: dict[str, Tensor]) -> dict[str, float]:
     return dict(zip(metrics.keys(), values, strict=True))
 
 
+def drop_empty_splits(metrics: dict[str, float]) -> dict[str, float]:
+    """Remove ``precision/*`` and ``lag/*`` means whose token count is 0 (see module doc)."""
+    out = {}
+    for k, v in metrics.items():
+        parts = k.split("/")
+        if parts[0] in SPLITS and parts[1] != "tokens":
+            count = f"{parts[0]}/tokens" + (f"/{'/'.join(parts[2:])}" if len(parts) > 2 else "")
+            if metrics.get(count, 1.0) == 0.0:
+                continue
+        out[k] = v
+    return out
+
+
 def mismatch_metrics(
     inputs: LossInputs, valid: Tensor | None = None, clamp: float = 20.0
 ) -> dict[str, float]:
@@ -182,4 +197,4 @@ def mismatch_metrics(
             & torch.isfinite(inputs.old_logprobs)
             & torch.isfinite(inputs.sampler_logprobs)
         )
-    return to_floats(collect_mismatch(inputs, valid, clamp))
+    return drop_empty_splits(to_floats(collect_mismatch(inputs, valid, clamp)))

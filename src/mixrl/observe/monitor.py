@@ -1,15 +1,20 @@
 """Online collapse monitor: the three signals seen before every collapse.
 
-The signals (CORRECTIONS.md §10, "Collapse signals"):
+The signals (docs/corrections.md section 10, "Collapse signals"):
 
 1. ``reward_drop``: the smoothed training reward falls ``reward_drop`` below
    its running best (an exponential moving average, so one bad batch of a
    noisy small-batch run does not fire it);
 2. ``kl_growth``: the smoothed sampler-trainer KL reaches ``kl_factor`` x its
-   early-run level. The KL is ``mismatch/kl_exact`` where the support is
-   recorded, else ``mismatch/kl_k3``; never k1, which is too noisy at small
-   batches and can turn negative. The early level is the mean over the
-   ``early_steps`` steps that follow the ``warmup_steps`` first ones;
+   early-run level. The KL is the *precision* KL, over staleness-0 tokens only
+   (``precision/kl_exact`` where the support is recorded, else
+   ``precision/kl_k3``): in an asynchronous run ``mismatch/*`` also contains
+   policy lag, which grows and shrinks with the schedule, not with the
+   samplers' numerics. ``mismatch/kl_exact`` / ``mismatch/kl_k3`` are used
+   only for metrics written without the split. Never k1, which is too noisy at
+   small batches and can turn negative. A step with no staleness-0 token has
+   no precision KL and leaves the average unchanged. The early level is the
+   mean over the ``early_steps`` steps that follow the ``warmup_steps`` first ones;
 3. ``format_errors``: the smoothed share of episodes ending on repeated format
    errors (``rollout/format_error_end``) exceeds ``format_error_frac``.
 
@@ -33,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-KL_KEYS = ("mismatch/kl_exact", "mismatch/kl_k3")
+KL_KEYS = ("precision/kl_exact", "precision/kl_k3", "mismatch/kl_exact", "mismatch/kl_k3")
 REWARD_KEY = "rollout/reward"
 FORMAT_KEY = "rollout/format_error_end"
 SIGNALS = ("reward_drop", "kl_growth", "format_errors")
