@@ -58,6 +58,10 @@ def needed_cand_kind(cfg: LossConfig) -> str:
     return "head" if cfg.score_centering else "none"
 
 
+class MalformedBatchError(RuntimeError):
+    """More than half of a step's trajectories were malformed: the run cannot be trusted."""
+
+
 class Trainer:
     def __init__(
         self,
@@ -216,6 +220,10 @@ class Trainer:
         t0 = time.perf_counter()
         mode = denom_mode or self.loss_cfg.aggregation
         records, stats = self._prepare(trajectories, advantages, strict)
+        if 2 * stats.dropped_malformed > len(trajectories):  # a silent no-op update otherwise
+            raise MalformedBatchError(
+                f"{stats.dropped_malformed} of {len(trajectories)} trajectories of step {self.version + 1} "
+                f"are malformed (first: {stats.errors[0]})")
         for p in self.params:  # gradients left by backward() must not leak into the update
             p.grad = None
         metrics: dict[str, float] = {}
