@@ -10,7 +10,7 @@ import torch
 
 from mixrl.sampling.base import GenerationRequest, ReplicaFailure, SamplingParams
 from mixrl.sampling.batching import BatchingSampler
-from mixrl.sampling.engine import BuiltinEngine
+from mixrl.sampling.builtin.engine import BuiltinEngine
 from mixrl.sampling.profiles import get_profile
 
 torch.set_num_threads(1)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from mixrl.sampling.base import GenerationRequest, SamplingParams
-from mixrl.sampling.engine import BuiltinEngine, request_seed
+from mixrl.sampling.builtin.engine import BuiltinEngine, request_seed
+from mixrl.sampling.builtin.sample import draw, sampling_logprobs
 from mixrl.sampling.factory import make_engine
 from mixrl.sampling.profiles import get_profile, with_overrides
-from mixrl.sampling.sample import draw, sampling_logprobs
 
 torch.set_num_threads(1)
 
@@ -324,7 +324,7 @@ def test_ragged_batch_equals_one_at_a_time(tied):
 
 
 def test_support_buffer_and_step_by_step_listing_agree(untied, monkeypatch):
-    import mixrl.sampling.engine as engine_mod
+    import mixrl.sampling.builtin.engine as engine_mod
 
     reqs = [
         GenerationRequest(p, SamplingParams(max_new_tokens=7, seed=i, top_p=0.8 if i == 1 else 1.0,
@@ -429,7 +429,7 @@ def test_make_engine(untied):
         make_engine(untied, SimpleNamespace(name="x", engine="tpu"), "x")
     vllm = with_overrides(get_profile("fp32"), engine="vllm")
     try:
-        import mixrl.sampling.vllm_engine  # noqa: F401
+        import mixrl.sampling.vllm.engine  # noqa: F401
     except ImportError:
         with pytest.raises(RuntimeError, match="vllm"):
             make_engine(untied, vllm, "x")

@@ -34,7 +34,7 @@ def test_catalogue_has_the_seed_fleet_and_references() -> None:
     builtin = {n for n, p in profiles.items() if p.engine == "builtin"}
     assert builtin == set(SEED) | {"fp32", "bf16"}
     vllm = {n for n, p in profiles.items() if p.engine == "vllm"}
-    assert {"cpu-vllm-fp32", "cpu-vllm-bf16"} <= vllm  # vllm_profiles.toml ships too
+    assert {"cpu-vllm-fp32", "cpu-vllm-bf16"} <= vllm  # vllm/profiles.toml ships too
     for name, (weights, kv) in SEED.items():
         p = profiles[name]
         assert (p.name, p.weight_format, p.kv_format) == (name, weights, kv)

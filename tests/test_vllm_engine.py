@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from mixrl.sampling.base import GenerationRequest, ReplicaFailure, SamplingParams
+from mixrl.sampling.builtin.sample import sampling_logprobs
 from mixrl.sampling.profiles import Profile, load_profiles, with_overrides
-from mixrl.sampling.sample import sampling_logprobs
-from mixrl.sampling.vllm_formats import Platform, UnsupportedFormatError, vllm_options
+from mixrl.sampling.vllm.formats import Platform, UnsupportedFormatError, vllm_options
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 needs_vllm = pytest.mark.skipif(
@@ -31,7 +31,7 @@ TOL_FP32 = 1e-4  # the goal: vLLM FP32 log q within 1e-4 of the trainer's HF FP3
 
 
 def _profiles() -> dict[str, Profile]:
-    from mixrl.sampling.vllm_engine import vllm_profiles_path
+    from mixrl.sampling.vllm.engine import vllm_profiles_path
 
     return load_profiles(vllm_profiles_path())
 
@@ -71,7 +71,7 @@ def hf(model_dir: str):
 
 @pytest.fixture(scope="module")
 def eng(model_dir: str):
-    from mixrl.sampling.vllm_engine import VLLMEngine
+    from mixrl.sampling.vllm.engine import VLLMEngine
 
     e = VLLMEngine(
         model_dir,
@@ -276,7 +276,7 @@ def test_unsupported_formats_are_refused_with_the_platform_limit() -> None:
 
 
 def _vllm_toml():
-    from mixrl.sampling.vllm_engine import vllm_profiles_path
+    from mixrl.sampling.vllm.engine import vllm_profiles_path
 
     return vllm_profiles_path()
 
@@ -284,7 +284,7 @@ def _vllm_toml():
 @pytest.mark.vllm
 @needs_vllm
 def test_engine_refuses_at_start_up(model_dir: str) -> None:
-    from mixrl.sampling.vllm_engine import VLLMEngine
+    from mixrl.sampling.vllm.engine import VLLMEngine
 
     with pytest.raises(
         UnsupportedFormatError,
@@ -296,7 +296,7 @@ def test_engine_refuses_at_start_up(model_dir: str) -> None:
 def test_missing_vllm_names_the_extra() -> None:
     code = (
         "import sys; sys.modules['vllm'] = None\n"  # what an environment without vLLM sees
-        "from mixrl.sampling.vllm_engine import import_vllm, VLLMNotInstalledError\n"
+        "from mixrl.sampling.vllm.engine import import_vllm, VLLMNotInstalledError\n"
         "try:\n    import_vllm()\nexcept VLLMNotInstalledError as e:\n    print(e)\n"
     )
     out = subprocess.run(
@@ -310,9 +310,9 @@ def test_missing_vllm_names_the_extra() -> None:
 def test_side_by_side_with_builtin_and_bf16_int8(eng, hf, model_dir: str) -> None:
     """Several engines in one process: the built-in one, vLLM FP32 (module fixture), vLLM BF16
     and vLLM int8 weight-only (torchao); torch.set_num_threads keeps working."""
-    from mixrl.sampling.engine import BuiltinEngine
+    from mixrl.sampling.builtin.engine import BuiltinEngine
     from mixrl.sampling.profiles import get_profile
-    from mixrl.sampling.vllm_engine import VLLMEngine
+    from mixrl.sampling.vllm.engine import VLLMEngine
 
     cat = _profiles()
     from mixrl.sampling.factory import make_engine
@@ -365,7 +365,7 @@ SLOW = pytest.mark.skipif(
 @needs_vllm
 @SLOW
 def test_separate_engine_process_reloads_from_versioned_dir(model_dir: str, hf, tmp_path) -> None:
-    from mixrl.sampling.vllm_engine import VLLMEngine
+    from mixrl.sampling.vllm.engine import VLLMEngine
 
     wd = tmp_path / "weights"
     e = VLLMEngine(
@@ -400,7 +400,7 @@ def test_engine_in_a_ray_actor(model_dir: str, hf) -> None:
     class Replica:  # defined here so Ray pickles it by value (tests/ is not a package)
         def __init__(self, path: str) -> None:
             from mixrl.sampling.profiles import get_profile
-            from mixrl.sampling.vllm_engine import VLLMEngine, vllm_profiles_path
+            from mixrl.sampling.vllm.engine import VLLMEngine, vllm_profiles_path
 
             prof = get_profile("cpu-vllm-fp32", vllm_profiles_path())
             self.e = VLLMEngine(path, prof, "ray-vllm", max_batch=2, max_context=32)
@@ -432,7 +432,7 @@ def test_start_up_failure_is_a_clear_replica_failure(model_dir: str, tmp_path) -
 
     from safetensors.torch import load_file, save_file
 
-    from mixrl.sampling.vllm_engine import VLLMEngine, VLLMStartupError
+    from mixrl.sampling.vllm.engine import VLLMEngine, VLLMStartupError
 
     bad = tmp_path / "bad"
     shutil.copytree(model_dir, bad)
@@ -454,7 +454,7 @@ def test_output_conversion_edge_cases() -> None:
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput
 
-    from mixrl.sampling.vllm_outputs import to_result
+    from mixrl.sampling.vllm.outputs import to_result
 
     ninf = float("-inf")
     steps = [  # processed q of 4 tokens; token 3 is outside the support at step 0

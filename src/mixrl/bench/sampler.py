@@ -31,7 +31,7 @@ generation itself needs (KV cache, activations, logits, outputs), without the
 interpreter, the libraries and the weights, and without allocator caches left
 over from the other side.
 
-vLLM: when ``mixrl.sampling.vllm_engine`` imports (vllm installed),
+vLLM: when ``mixrl.sampling.vllm.engine`` imports (vllm installed),
 ``vllm_fields`` adds ``vllm_tok_s`` and ``vllm_logprob_max_abs_err_fp32``; otherwise
 they are null and ``vllm_note`` says why (also when vLLM cannot run the model, or with
 ``--no-vllm``).
@@ -108,7 +108,7 @@ def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
 
 
 def _builtin(path: str, threads: int | None) -> Any:
-    from mixrl.sampling.engine import BuiltinEngine
+    from mixrl.sampling.builtin.engine import BuiltinEngine
     from mixrl.sampling.profiles import get_profile
 
     return BuiltinEngine(path, get_profile("fp32"), "bench", num_threads=threads, stop_on_eos=False)
@@ -175,20 +175,20 @@ def peak_mb(kind: str, path: str, prompts: list[list[int]], new: int, threads: i
 
 
 def vllm_fields(path: str, prompts: list[list[int]], new: int) -> dict[str, Any]:
-    """Hook for the vLLM engine: filled only when ``mixrl.sampling.vllm_engine`` imports.
+    """Hook for the vLLM engine: filled only when ``mixrl.sampling.vllm.engine`` imports.
 
-    Contract for ``mixrl.sampling.vllm_engine.bench_fields(path, prompts, new_tokens)``:
+    Contract for ``mixrl.sampling.vllm.engine.bench_fields(path, prompts, new_tokens)``:
     return ``{"vllm_tok_s": float, "vllm_logprob_max_abs_err_fp32": float}`` measured on
     the same model and prompts (FP32, temperature 1, whole-vocabulary sampling).
     """
     out: dict[str, Any] = {"vllm_tok_s": None, "vllm_logprob_max_abs_err_fp32": None}
     try:
-        from mixrl.sampling import vllm_engine
+        from mixrl.sampling.vllm import engine as vllm_engine
     except ImportError as e:
         out["vllm_note"] = f"vLLM engine not available: {e}"
         return out
     if not hasattr(vllm_engine, "bench_fields"):
-        out["vllm_note"] = "mixrl.sampling.vllm_engine has no bench_fields()"
+        out["vllm_note"] = "mixrl.sampling.vllm.engine has no bench_fields()"
         return out
     try:
         out.update(vllm_engine.bench_fields(path, prompts, new))

@@ -2,7 +2,7 @@
 
 ``profile.engine`` picks the implementation: ``"builtin"`` -> ``BuiltinEngine``
 (torch, always available); ``"vllm"`` -> ``VLLMEngine`` from
-``mixrl.sampling.vllm_engine``, imported only then, since vLLM is an optional
+``mixrl.sampling.vllm.engine``, imported only then, since vLLM is an optional
 dependency. Both take the same constructor arguments.
 """
 
@@ -22,12 +22,12 @@ def make_engine(model_path: str, profile: Any, group: str, **kw: Any) -> Engine:
         profile = get_profile(profile)
     kind = getattr(profile, "engine", None)
     if kind == "builtin":
-        from mixrl.sampling.engine import BuiltinEngine
+        from mixrl.sampling.builtin.engine import BuiltinEngine
 
         return BuiltinEngine(model_path, profile, group, **kw)
     if kind == "vllm":
         try:
-            from mixrl.sampling.vllm_engine import VLLMEngine
+            from mixrl.sampling.vllm.engine import VLLMEngine
         except ImportError as e:  # vllm (or its wrapper) missing: say how to get it
             raise RuntimeError(
                 f"profile {getattr(profile, 'name', '?')!r} has engine='vllm' but it cannot be "

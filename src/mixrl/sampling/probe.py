@@ -242,7 +242,7 @@ def probe(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
     from mixrl.models.policy import resolve
     from mixrl.sampling.base import GenerationRequest, SamplingParams
-    from mixrl.sampling.engine import request_seed
+    from mixrl.sampling.builtin.engine import request_seed
     from mixrl.sampling.factory import make_engine
 
     _positive(args)

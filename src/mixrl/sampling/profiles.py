@@ -149,9 +149,9 @@ def load_profiles(extra_toml: str | Path | None = None) -> dict[str, Profile]:
     """The catalogue, with ``extra_toml`` (a file or TOML text) merged over it."""
     merged: dict[str, dict[str, Any]] = {}
     # The shipped catalogue: the built-in engine's profiles and the vLLM ones.
-    for fname in ("profiles.toml", "vllm_profiles.toml"):
-        text = resources.files("mixrl.sampling").joinpath(fname).read_text()
-        merged.update(_tables(tomllib.loads(text), fname))
+    for pkg, fname in (("mixrl.sampling", "profiles.toml"), ("mixrl.sampling.vllm", "profiles.toml")):
+        text = resources.files(pkg).joinpath(fname).read_text()
+        merged.update(_tables(tomllib.loads(text), f"{pkg.replace('.', '/')}/{fname}"))
     if extra_toml is not None:
         for name, table in _tables(*_read_toml(extra_toml)).items():
             merged[name] = {**merged.get(name, {}), **table}

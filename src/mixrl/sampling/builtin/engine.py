@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from mixrl.sampling import qwen3_forward as qf
 from mixrl.sampling.base import Engine, FinishReason, GenerationRequest, GenerationResult
-from mixrl.sampling.kv_cache import KVCache
-from mixrl.sampling.precision import from_profile
-from mixrl.sampling.sample import draw, sampling_logprobs
+from mixrl.sampling.builtin import qwen3_forward as qf
+from mixrl.sampling.builtin.kv_cache import KVCache
+from mixrl.sampling.builtin.precision import from_profile
+from mixrl.sampling.builtin.sample import draw, sampling_logprobs
 
 _MASK64 = (1 << 64) - 1
 SUPPORT_BUFFER_BYTES = 256 << 20  # above this, whole-vocabulary supports are listed step by step

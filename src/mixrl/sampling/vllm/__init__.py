@@ -1,0 +1,1 @@
+"""The vLLM engine: a mixrl Engine over vllm.LLM (optional dependency)."""
