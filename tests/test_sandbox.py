@@ -1,7 +1,8 @@
 """The bubblewrap sandbox: functions, limits, and attacks that must stay contained.
 
 Every attack records a row (attack, mechanism, contained, detail); the table
-is printed in pytest's terminal summary (also without ``-s``).
+is printed in pytest's terminal summary (also without ``-s``); every test runs
+under its own private episode root (``sandbox_tables.private_root``).
 """
 
 from __future__ import annotations
@@ -19,41 +20,18 @@ from pathlib import Path
 
 import pytest
 
+from sandbox_tables import needs_bwrap, private_root, record, register  # noqa: F401 (fixture)
+
 from mixrl.envs import sandbox as sbmod
 from mixrl.envs.sandbox import DiffError, Sandbox, SandboxError, SandboxLimits
+from mixrl.envs.sandbox import runtime as rtmod
 
-pytestmark = [
-    pytest.mark.sandbox,
-    pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
-]
-
-ATTACKS: list[tuple[str, str, bool, str]] = []  # (attack, mechanism, contained, detail)
-
-
-class _AttackTable:
-    def pytest_terminal_summary(self, terminalreporter) -> None:  # type: ignore[no-untyped-def]
-        if not ATTACKS:
-            return
-        tr = terminalreporter
-        tr.section("sandbox attacks")
-        w = max(len(a) for a, *_ in ATTACKS)
-        m = max(len(b) for _, b, *_ in ATTACKS)
-        for attack, mech, ok, detail in ATTACKS:
-            tr.write_line(f"{attack:<{w}}  {mech:<{m}}  {'contained' if ok else 'NOT CONTAINED'}  {detail}")
-        n_ok = sum(1 for *_, ok, _ in ATTACKS if ok)
-        tr.write_line(f"{n_ok}/{len(ATTACKS)} attacks contained")
+pytestmark = [pytest.mark.sandbox, needs_bwrap, pytest.mark.usefixtures("private_root")]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _table(request):  # type: ignore[no-untyped-def]
-    pm = request.config.pluginmanager
-    if not pm.has_plugin("mixrl-sandbox-attacks"):
-        pm.register(_AttackTable(), "mixrl-sandbox-attacks")
-
-
-def record(attack: str, mechanism: str, contained: bool, detail: str = "") -> None:
-    ATTACKS.append((attack, mechanism, contained, detail[:90].replace("\n", " ")))
-    assert contained, f"{attack}: {detail}"
+    register(request)
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +114,14 @@ def test_startup_failure_is_sandbox_error(repo, monkeypatch):  # type: ignore[no
 
     with pytest.raises(SandboxError, match="bwrap failed"):
         arun(bad_bind())
-    monkeypatch.setattr(sbmod.shutil, "which", lambda name: None)
-    sbmod._runtime.cache_clear()
+    monkeypatch.setattr(rtmod.shutil, "which", lambda name: None)
+    rtmod.runtime.cache_clear()
     try:
         with pytest.raises(SandboxError, match="not installed"):
             arun(Sandbox.create(repo))
     finally:
         monkeypatch.undo()
-        sbmod._runtime.cache_clear()
+        rtmod.runtime.cache_clear()
 
 
 def test_limits_validation():
@@ -280,7 +258,7 @@ def test_fork_bomb(repo):  # type: ignore[no-untyped-def]
     dt = time.perf_counter() - t0
     left = _pids_in_ns(r.info["pid-namespace"]) if "pid-namespace" in r.info else ["?"]
     ok = r.timed_out and dt < 8 and other.output == "alive\n" and host == 0 and not left
-    record("fork bomb", "RLIMIT_NPROC per user ns + wall kill", ok,
+    record("fork bomb", "pids.max + RLIMIT_NPROC + wall kill", ok,
            f"limit hit={'Resource temporarily unavailable' in r.output}, other episode ok in {lat:.2f}s, "
            f"{len(left)} left")
 
@@ -299,7 +277,7 @@ def test_infinite_loop_wall_and_cpu(repo):  # type: ignore[no-untyped-def]
     t0 = time.perf_counter()
     r = arun(_one(repo, "while :; do :; done", timeout=1.0))
     dt = time.perf_counter() - t0
-    record("infinite loop (wall)", "process group killed", r.timed_out and r.killed_by == "timeout" and dt < 4,
+    record("infinite loop (wall)", "episode cgroup SIGKILLed", r.timed_out and r.killed_by == "timeout" and dt < 4,
            f"killed after {dt:.1f}s")
     t0 = time.perf_counter()
     r = arun(_one(repo, "python3 -c 'while True: pass'", timeout=30, cpu_seconds=1))
@@ -331,19 +309,19 @@ def test_huge_file_and_disk(repo):  # type: ignore[no-untyped-def]
     size = int(r.output.split()[-1])
     record("huge file", "RLIMIT_FSIZE 1 MiB", size <= 1 << 20 and "rc=0" not in r.output, f"file stopped at {size} B")
     r = arun(_one(repo, "for i in $(seq 30); do head -c 200000 /dev/zero > f$i; done", disk_bytes=2 << 20))
-    record("disk filling with many files", "size of /testbed checked", r.killed_by == "disk", f"killed_by={r.killed_by}")
+    record("disk filling with many files", "tmpfs size= per episode", r.killed_by == "disk", f"killed_by={r.killed_by}")
 
     async def endless():  # type: ignore[no-untyped-def]
         sb = await Sandbox.create(repo, SandboxLimits(disk_bytes=4 << 20))
         try:
             t0 = time.perf_counter()
             r = await sb.run("i=0; while :; do i=$((i+1)); head -c 500000 /dev/zero > f$i; done", timeout=30)
-            return r, time.perf_counter() - t0, sbmod._tree_size(sb.work)[0]
+            return r, time.perf_counter() - t0, sb.fs.used()[0]
         finally:
             await sb.close()
 
     r, dt, size = arun(endless())
-    record("disk filling, endless writer", "size polled while running", r.killed_by == "disk" and not r.timed_out
+    record("disk filling, endless writer", "tmpfs full -> killed", r.killed_by == "disk" and not r.timed_out
            and dt < 15 and size < 256 << 20, f"killed after {dt:.1f}s at {size >> 20} MiB (limit 4 MiB)")
 
 

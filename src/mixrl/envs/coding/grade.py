@@ -3,11 +3,18 @@
     result = await grade_sandbox(task.data, sb)     # diff of a finished episode
     result = await grade_patch(task.data, patch)    # any unified diff (reference patch, tests)
 
-As in SWE-bench, the task's own test files are restored *after* the model's
-patch, so editing or deleting tests gains nothing. What else a reward hacker
+As in SWE-bench, the task's test directories are restored *after* the model's
+patch (whole, from the pristine snapshot, then the hidden test files over them),
+so editing, adding or deleting tests gains nothing. What else a reward hacker
 might try, and why it does not count:
 
 - a ``conftest.py`` anywhere (forcing outcomes through hooks): ``--noconftest``;
+- a ``tests/__init__.py`` (or any module) rebinding the results writer: the test
+  directory is restored whole, and the results are written by the runner's parent
+  process, which never imports pytest or the repository (``pytest_runner.py``);
+- a ``*.dist-info``/``*.egg-info`` with a ``pytest11`` entry point, a ``*.pth``:
+  never in a diff (``DIFF_EXCLUDES``), removed from the grading tree, and plugin
+  autoload is off (``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``);
 - runner configuration (``pytest.ini``, ``tox.ini``, ``setup.cfg``,
   ``pyproject.toml`` with ``addopts``/``python_files``/deselects): pytest runs
   with our own ini file from a fresh ``/tmp``, none of the repository's is read;
@@ -18,15 +25,14 @@ might try, and why it does not count:
   regular files only, and the fresh copy gets nothing else;
 - results: a test counts only with an explicit ``passed`` for setup, call
   and teardown; a missing test, skip, xfail or crash is a failure, and the
-  results file has a random name, passed through a file the runner deletes
-  before importing the code under test, in a directory outside ``/testbed``
-  that the sandbox can write but not list.
+  results file has a random name known only to the non-dumpable parent, in a
+  directory on the grading sandbox's own tmpfs that the sandbox can write but
+  not list (bounded like the work tree).
 
 Known limit (shared with SWE-bench): the code under test runs in the test
-process, so a patch whose *library code* rewrites pytest's reporting, or
-walks the runner's stack frames to find the results file, at import time is
-not caught here; one that merely exits (``os._exit(0)``) or forges a file it
-cannot name scores 0.
+process, so a patch whose *library code* rewrites pytest's reporting in that
+process at import time is not caught here; it cannot reach the parent (other
+process, ptrace denied by seccomp, not dumpable) nor name the results file.
 
 Reward is 1 iff every FAIL_TO_PASS and every PASS_TO_PASS test passed, else 0
 (including a patch that does not apply, a timeout, a crash). Our own
@@ -35,13 +41,12 @@ failures (no sandbox, the runner never started) raise ``SandboxError``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
 import shlex
-import shutil
 import stat
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,38 +89,44 @@ def required_tests(data: dict[str, Any]) -> list[str]:
     return list(data["FAIL_TO_PASS"]) + list(data["PASS_TO_PASS"])
 
 
+def _stage(sb: Sandbox, patch: str) -> tuple[str, str, str]:
+    """(results dir, results file name, patch file) on the grading sandbox's own tmpfs.
+
+    Results: the sandbox may create files in ``/results`` but not list it (mode 0733, not
+    its own, so no chmod); the file's random name waits in ``job.txt``, which the runner's
+    parent deletes before anything else runs. Both are bounded by the episode's tmpfs."""
+    results = sb.results_dir()
+    name = f"{secrets.token_hex(16)}.json"
+    job = os.path.join(results, "job.txt")
+    with open(job, "w") as f:
+        f.write(name)
+    os.chmod(job, 0o644)
+    gdir = sb.fs.mkdir("grader", 0o755)
+    patch_file = os.path.join(gdir, "model.patch")
+    with open(patch_file, "w", encoding="utf-8", errors="surrogateescape") as f:
+        f.write(patch)
+    os.chmod(patch_file, 0o644)
+    return results, name, patch_file
+
+
 async def grade_patch(data: dict[str, Any], patch: str, limits: SandboxLimits | None = None) -> GradeResult:
     """Apply ``patch`` (``-p1``) to a fresh copy of the task's snapshot and run its tests."""
     need = required_tests(data)
     sb = await Sandbox.create(data["repo_dir"], limits or GRADE_LIMITS)
-    gdir = tempfile.mkdtemp(prefix="mixrl-grade-")
     try:
-        os.chmod(gdir, 0o755)
-        # Results: the sandbox may create files in /results but not list it (mode 0733, not its
-        # own, so no chmod); the file's random name waits in job.txt, which the runner deletes
-        # before any code under test is imported.
-        results = os.path.join(gdir, "results")
-        os.mkdir(results)
-        os.chmod(results, 0o733 if sb.uid is not None else 0o700)
-        name = f"{secrets.token_hex(16)}.json"
-        job = os.path.join(results, "job.txt")
-        with open(job, "w") as f:
-            f.write(name)
-        os.chmod(job, 0o644)
-        patch_file = os.path.join(gdir, "model.patch")
-        with open(patch_file, "w") as f:
-            f.write(patch)
-        os.chmod(patch_file, 0o644)
+        results, name, patch_file = await asyncio.to_thread(_stage, sb, patch)
         binds = [(patch_file, "/grader/model.patch", False), (data["tests_dir"], "/grader/tests", False),
-                 (str(RUNNER), "/opt/grader/pytest_runner.py", False), (results, "/results", True)]
+                 (sb.snapshot, "/grader/pristine", False), (str(RUNNER), "/opt/grader/pytest_runner.py", False),
+                 (results, "/results", True)]
         if patch.strip():
             r = await sb.run("patch -p1 -E --batch --forward --no-backup-if-mismatch -s -i /grader/model.patch",
                              binds=binds)
             if r.exit_code != 0:
                 return GradeResult(0.0, failed=need, reason="patch_failed", output=r.output[-2000:])
         files = " ".join(shlex.quote(t) for t in data["test_files"])
-        r = await sb.run(f"python3 -I /opt/grader/pytest_runner.py /results /grader/tests {files}", binds=binds)
-        res = _read_results(os.path.join(results, name))
+        r = await sb.run(f"python3 -I /opt/grader/pytest_runner.py /results /grader/tests /grader/pristine {files}",
+                         binds=binds)
+        res = await asyncio.to_thread(_read_results, os.path.join(results, name))
         if res is None or res.get("started") is not True:
             if r.timed_out:
                 return GradeResult(0.0, failed=need, reason="timeout", output=r.output[-2000:])
@@ -123,13 +134,13 @@ async def grade_patch(data: dict[str, Any], patch: str, limits: SandboxLimits | 
         tests = res.get("tests")
         if not isinstance(tests, dict):
             reason = "timeout" if r.timed_out else "crashed"
-            return GradeResult(0.0, failed=need, reason=reason, output=r.output[-2000:])
+            return GradeResult(0.0, failed=need, reason=reason, output=(str(res.get("error", "")) + "\n"
+                                                                         + r.output[-2000:]))
         tests = {str(k): str(v) for k, v in tests.items()}
         failed = [t for t in need if tests.get(t) != "passed"]
         return GradeResult(0.0 if failed else 1.0, tests, failed, output=r.output[-2000:])
     finally:
         await sb.close()
-        shutil.rmtree(gdir, ignore_errors=True)
 
 
 async def grade_sandbox(data: dict[str, Any], sb: Sandbox, limits: SandboxLimits | None = None) -> GradeResult:

@@ -1,41 +1,48 @@
 """The grading test runner; runs *inside* the grading sandbox as a script.
 
-    python3 -I /opt/grader/pytest_runner.py RESULTS_DIR TESTS_DIR TEST_FILE...
+    python3 -I /opt/grader/pytest_runner.py RESULTS_DIR TESTS_DIR PRISTINE_DIR TEST_FILE...
 
-Started with ``-I`` (no current directory on ``sys.path``, no ``PYTHON*``
-variables, no user site), so nothing under ``/testbed`` can shadow pytest,
-its plugins or the standard library. Steps:
+Two processes. The parent never imports pytest or anything from ``/testbed``; it prepares
+the tree, starts the child, and alone writes the results:
 
-1. restore every task test file from ``TESTS_DIR`` over ``/testbed`` (a
-   symlink or file standing where a parent directory belongs is removed
-   first, so the restored file is the file pytest reads);
-2. read the results file name from ``RESULTS_DIR/job.txt`` and delete it
-   (the directory is not listable: code under test cannot find the name),
-   import pytest (from ``/opt/pysite``), then write ``{"started": true}`` to
-   the results file — a runner that never gets this far failed on our side;
-3. append ``/testbed`` to ``sys.path`` (after the standard library and
-   pytest: the code under test cannot shadow them) and run pytest on the test
-   files with our own ini file in a fresh ``/tmp`` (the repository's
-   ``pytest.ini``/``tox.ini``/``setup.cfg``/``pyproject.toml`` are never
-   read), ``--noconftest`` (no conftest.py is loaded), no cache provider and
-   ``--import-mode=append``;
-4. write ``{"started": true, "exit": N, "tests": {nodeid: outcome}}``.
+1. read the results file name from ``RESULTS_DIR/job.txt`` and delete it (the directory is
+   not listable: nothing started later can find the name), write ``{"started": true}`` —
+   a runner that never gets this far failed on our side — and make itself non-dumpable
+   (its memory, fds and environment are then closed to the child, which has the same uid);
+2. restore every directory holding a task test file *whole* from ``PRISTINE_DIR`` (files
+   the model added there, a ``tests/__init__.py`` or a ``conftest.py``, are gone), then
+   the task's test files from ``TESTS_DIR`` over it;
+3. remove every import-time hook from the tree: ``*.dist-info``/``*.egg-info`` (entry
+   points: a ``pytest11`` plugin), ``*.pth``, ``*.egg-link``, ``sitecustomize.py``,
+   ``usercustomize.py`` (walks are iterative: the tree came from the model's patch);
+4. run the child: ``python3 -I`` with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``; it appends
+   ``/testbed`` to ``sys.path`` (after the standard library and pytest), runs pytest with
+   our own ini file in a fresh ``/tmp`` (no repository configuration is read),
+   ``--noconftest``, no cache provider, ``--import-mode=append``, and streams each test
+   report to the parent over a pipe;
+5. the parent folds the reports (a test counts as ``passed`` only when setup, call and
+   teardown passed and it was not an xfail/xpass) and writes
+   ``{"started": true, "exit": N, "tests": {nodeid: outcome}}``.
 
-A test counts as ``passed`` only when setup, call and teardown passed and it
-was not an xfail/xpass. Imports nothing from mixrl: it runs on the bare
-interpreter of the sandbox.
+Imports nothing from mixrl: it runs on the bare interpreter of the sandbox.
 """
 
 from __future__ import annotations
 
+import ctypes
+import fnmatch
 import json
 import os
 import shutil
+import stat
+import subprocess
 import sys
 from typing import Any
 
 TESTBED = "/testbed"
 PYSITE = "/opt/pysite"  # pytest, bound read only (-I ignores PYTHONPATH)
+HOOKS = ("*.dist-info", "*.egg-info", "*.pth", "*.egg-link", "sitecustomize.py", "usercustomize.py")
+MAX_REPORTS = 100_000
 
 
 def _write(path: str, obj: dict[str, Any]) -> None:
@@ -45,67 +52,176 @@ def _write(path: str, obj: dict[str, Any]) -> None:
     os.replace(tmp, path)
 
 
-def _restore(tests_dir: str, rel: str) -> None:
-    parts = rel.split("/")
+def _remove(path: str) -> None:
+    """Remove ``path`` (file, link or tree) without recursion and without following links."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.remove(path)
+        return
+    stack, dirs = [path], []
+    while stack:
+        d = stack.pop()
+        os.chmod(d, 0o700)  # inside the sandbox, on the model's own tree
+        dirs.append(d)
+        with os.scandir(d) as it:
+            for e in it:
+                if e.is_dir(follow_symlinks=False):
+                    stack.append(e.path)
+                else:
+                    os.remove(e.path)
+    for d in reversed(dirs):
+        os.rmdir(d)
+
+
+def _real_dirs(rel_dir: str) -> None:
+    """Every parent of ``/testbed/rel_dir`` a real directory (a link or file there removed)."""
     cur = TESTBED
-    for p in parts[:-1]:  # every parent must be a real directory
+    for p in [x for x in rel_dir.split("/") if x]:
         cur = os.path.join(cur, p)
         if os.path.islink(cur) or (os.path.lexists(cur) and not os.path.isdir(cur)):
             os.remove(cur)
         os.makedirs(cur, exist_ok=True)
-    dst = os.path.join(TESTBED, rel)
-    if os.path.islink(dst) or os.path.isfile(dst):
-        os.remove(dst)
-    elif os.path.isdir(dst):
-        shutil.rmtree(dst)
-    shutil.copyfile(os.path.join(tests_dir, rel), dst)
 
 
-class _Collector:
-    """Per-test outcome from the three report phases."""
+def restore(tests_dir: str, pristine: str, test_files: list[str]) -> None:
+    """Test directories whole from the pristine snapshot, then the task's test files."""
+    for d in sorted({os.path.dirname(t) for t in test_files}):
+        if d:
+            _real_dirs(os.path.dirname(d))
+            _remove(os.path.join(TESTBED, d))
+            src = os.path.join(pristine, d)
+            if os.path.isdir(src) and not os.path.islink(src):
+                shutil.copytree(src, os.path.join(TESTBED, d), symlinks=True)
+            else:
+                os.makedirs(os.path.join(TESTBED, d))
+    for rel in test_files:
+        _real_dirs(os.path.dirname(rel))
+        _remove(os.path.join(TESTBED, rel))
+        shutil.copyfile(os.path.join(tests_dir, rel), os.path.join(TESTBED, rel))
 
-    def __init__(self) -> None:
-        self.tests: dict[str, str] = {}
 
-    def pytest_runtest_logreport(self, report: Any) -> None:
-        prev = self.tests.get(report.nodeid)
-        if report.failed:
-            self.tests[report.nodeid] = "error" if report.when != "call" else "failed"
-        elif report.skipped:
+def strip_hooks(root: str = TESTBED) -> list[str]:
+    """Remove every import-time hook below ``root``; returns what was removed (relative)."""
+    removed, stack = [], [root]
+    while stack:
+        d = stack.pop()
+        try:
+            with os.scandir(d) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        for e in entries:
+            if any(fnmatch.fnmatch(e.name, p) for p in HOOKS):
+                _remove(e.path)
+                removed.append(os.path.relpath(e.path, root))
+            elif e.is_dir(follow_symlinks=False):
+                stack.append(e.path)
+    return removed
+
+
+def fold(reports: list[dict[str, Any]]) -> dict[str, str]:
+    """Per-test outcome from the report phases (setup, call, teardown, collection)."""
+    tests: dict[str, str] = {}
+    for r in reports:
+        node, when, outcome, xfail = str(r.get("id")), r.get("when"), r.get("outcome"), bool(r.get("xfail"))
+        prev = tests.get(node)
+        if outcome == "failed":
+            tests[node] = "error" if when != "call" else "failed"
+        elif outcome == "skipped":
             if prev in (None, "passed"):
-                self.tests[report.nodeid] = "xfailed" if hasattr(report, "wasxfail") else "skipped"
-        elif report.when == "call" and prev is None:
-            self.tests[report.nodeid] = "xpassed" if hasattr(report, "wasxfail") else "passed"
-
-    def pytest_collectreport(self, report: Any) -> None:
-        if report.failed:
-            self.tests[report.nodeid or "<collection>"] = "error"
+                tests[node] = "xfailed" if xfail else "skipped"
+        elif outcome == "passed" and when == "call" and prev is None:
+            tests[node] = "xpassed" if xfail else "passed"
+    return tests
 
 
-def main(argv: list[str]) -> int:
-    results_dir, tests_dir, test_files = argv[0], argv[1], argv[2:]
+def _no_dump() -> None:
+    try:
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    except (OSError, AttributeError):
+        pass
+
+
+def parent(argv: list[str]) -> int:
+    results_dir, tests_dir, pristine, test_files = argv[0], argv[1], argv[2], argv[3:]
     job = os.path.join(results_dir, "job.txt")
     with open(job) as f:
         results = os.path.join(results_dir, os.path.basename(f.read().strip()))
     os.remove(job)
-    for rel in test_files:
-        _restore(tests_dir, rel)
+    _write(results, {"started": True})
+    _no_dump()
+    try:
+        restore(tests_dir, pristine, test_files)
+        strip_hooks()
+    except OSError as e:  # the model's tree resisted (a file where a directory belongs ...)
+        _write(results, {"started": True, "error": f"restore: {e}"})
+        return 0
+    r, w = os.pipe()
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    child = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), "--child", str(w), *test_files],
+                             pass_fds=(w,), env=env, cwd=TESTBED, stdin=subprocess.DEVNULL)
+    os.close(w)
+    reports: list[dict[str, Any]] = []
+    code: int | None = None
+    with os.fdopen(r, "rb") as f:
+        for line in f:
+            try:
+                msg = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(msg, dict) and "exit" in msg and isinstance(msg["exit"], int):
+                code = msg["exit"]
+            elif isinstance(msg, dict) and len(reports) < MAX_REPORTS:
+                reports.append(msg)
+    child.wait()
+    if code is None or child.returncode != 0:  # died before pytest returned: no results
+        _write(results, {"started": True, "error": f"test process exited {child.returncode}"})
+        return 0
+    _write(results, {"started": True, "exit": code, "tests": fold(reports)})
+    return 0
+
+
+class _Forward:
+    """Streams every report to the parent; the parent decides what they mean."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def _send(self, obj: dict[str, Any]) -> None:
+        self.f.write(json.dumps(obj) + "\n")
+        self.f.flush()
+
+    def pytest_runtest_logreport(self, report: Any) -> None:
+        self._send({"id": report.nodeid, "when": report.when, "outcome": report.outcome,
+                    "xfail": hasattr(report, "wasxfail")})
+
+    def pytest_collectreport(self, report: Any) -> None:
+        if report.failed:
+            self._send({"id": report.nodeid or "<collection>", "when": "collect", "outcome": "failed"})
+
+
+def child(argv: list[str]) -> int:
+    fd, test_files = int(argv[0]), argv[1:]
+    out = os.fdopen(fd, "w")
     sys.path.insert(1, PYSITE)
     import pytest
 
-    _write(results, {"started": True})
     ini = "/tmp/grader-pytest.ini"
     with open(ini, "w") as f:
         f.write("[pytest]\n")
     sys.path.append(TESTBED)
-    os.chdir(TESTBED)
-    col = _Collector()
+    fwd = _Forward(out)
     args = ["-c", ini, "--rootdir", TESTBED, "--noconftest", "-p", "no:cacheprovider",
             "--import-mode=append", "-q", "--no-header", *test_files]
-    code = int(pytest.main(args, plugins=[col]))
-    _write(results, {"started": True, "exit": code, "tests": col.tests})
+    code = int(pytest.main(args, plugins=[fwd]))
+    fwd._send({"exit": code})
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    if sys.argv[1:2] == ["--child"]:
+        raise SystemExit(child(sys.argv[2:]))
+    raise SystemExit(parent(sys.argv[1:]))

@@ -22,6 +22,7 @@ every pid SIGKILLed until the list stays empty (``pids.max`` bounds how many can
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import secrets
@@ -80,6 +81,7 @@ class Cgroup:
     dirs: tuple[str, ...]  # one per hierarchy (v2: one)
     procs: str  # the cgroup.procs file that lists every member
     kill_file: str | None  # v2 cgroup.kill
+    memory_dir: str = ""  # the directory with the memory controller's files
 
     def join(self, pid: int) -> None:
         for d in self.dirs:
@@ -87,6 +89,10 @@ class Cgroup:
 
     def pids(self) -> list[int]:
         return _read_pids(self.procs)
+
+    def memory_peak(self) -> int:
+        """Highest memory use of the episode so far (bytes; processes and files)."""
+        return _peak(self.memory_dir)
 
     def kill(self, deadline_s: float = 5.0) -> bool:
         """SIGKILL every member until none is left; False if some survived ``deadline_s``."""
@@ -134,6 +140,8 @@ class Hierarchy:
         self._n = 0
         self._parent: dict[str, str] = {}
         self._cap: int | None = None
+        self._all: list[str] = []  # every parent directory made (removed at exit)
+        atexit.register(self.cleanup)
 
     @property
     def controllers(self) -> tuple[str, ...]:
@@ -150,6 +158,7 @@ class Hierarchy:
                 d = os.path.join(base, name)
                 os.mkdir(d)
                 parents[c] = d
+                self._all.append(d)
             if self.version == 2:
                 _write(os.path.join(parents[""], "cgroup.subtree_control"), "+memory +pids" +
                        (" +cpu" if "cpu" in self._v2_ctrls(parents[""]) else ""))
@@ -188,9 +197,10 @@ class Hierarchy:
                                "pids limits cannot be enforced") from e
         if self.version == 2:
             d = dirs[0]
-            return Cgroup((d,), os.path.join(d, "cgroup.procs"), os.path.join(d, "cgroup.kill"))
-        pids_dir = dirs[sorted(parents).index("pids")]
-        return Cgroup(tuple(dirs), os.path.join(pids_dir, "cgroup.procs"), None)
+            return Cgroup((d,), os.path.join(d, "cgroup.procs"), os.path.join(d, "cgroup.kill"), d)
+        order = sorted(parents)
+        return Cgroup(tuple(dirs), os.path.join(dirs[order.index("pids")], "cgroup.procs"), None,
+                      dirs[order.index("memory")])
 
     def _limit(self, c: str, d: str, lim: SandboxLimits) -> None:
         procs = str(lim.max_procs + BWRAP_PROCS)
@@ -210,15 +220,33 @@ class Hierarchy:
             _write(os.path.join(d, "cpu.cfs_period_us"), str(PERIOD_US))
             _write(os.path.join(d, "cpu.cfs_quota_us"), quota)
 
+    def memory_peak(self) -> int:
+        """Highest memory use of all episodes together under the current parent (bytes)."""
+        return _peak(self._parents()["memory" if self.version == 1 else ""])
+
+    @property
+    def memory_cap(self) -> int:
+        return self._cap if self._cap is not None else HOST.total_memory()
+
     def cleanup(self) -> None:
-        """Remove the parent directories (at exit; they must be empty)."""
+        """Remove the parent directories (at exit; a parent with episodes left stays)."""
         with self._lock:
-            for d in self._parent.values():
+            for d in self._all:
                 try:
                     os.rmdir(d)
                 except OSError:
                     pass
-            self._parent = {}
+            self._all, self._parent = [], {}
+
+
+def _peak(d: str) -> int:
+    for name in ("memory.max_usage_in_bytes", "memory.peak"):
+        try:
+            with open(os.path.join(d, name)) as f:
+                return int(f.read())
+        except OSError:
+            continue
+    raise SandboxError(f"cgroup: no memory peak counter in {d}")
 
 
 def _set_v1_memory(d: str, cap: int) -> None:
