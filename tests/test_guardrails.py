@@ -99,7 +99,7 @@ def test_step_dropping_most_of_its_batch_fails_the_run():
                           sampler_logprobs=[0.0, -1.0] if bad else [0.0, -1.0, -1.0],
                           versions=[-1, 0, 0], groups=["", "g", "g"], reward=1.0)
 
-    tr = Trainer(model, get_preset("grpo").loss, lr=1e-3)
+    tr = Trainer(model, get_preset("grpo").loss, lr=1e-3, max_malformed_frac=0.5)  # as build_trainer
     m = tr.step([traj(0, True), traj(1, False), traj(2, False)], [1.0, -1.0, 1.0])  # 1 of 3: dropped, counted
     assert m["train/dropped_malformed"] == 1
     with pytest.raises(MalformedBatchError, match=r"3 of 4 trajectories .*malformed.*sampler_logprobs has length 2"):

@@ -47,6 +47,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mixrl.envs.base import Env, StepResult
+from mixrl.rollout.screen import record_sampling
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 
@@ -200,6 +201,7 @@ async def run_episode(
                 if not 1 <= n <= max_new:
                     return _finish(traj, "infra_failed", None, f"sampler returned {n} tokens (limit {max_new})")
                 _append_generated(traj, res)
+                record_sampling(traj, req.params)  # the trainer uses these, not the run-wide values
                 finish = res.finish_reason
                 if finish == "length" and max_new < want:
                     return _finish(traj, "truncated", 0.0)  # cut by the total budget, not the turn limit

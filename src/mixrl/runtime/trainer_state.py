@@ -38,8 +38,23 @@ def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any) -> tuple[Any, 
         epochs=o.epochs,
         minibatches=o.minibatches,
         temperature=cfg.rollout.temperature,
+        max_malformed_frac=0.5,  # a step that drops more than half its batch fails the run
+        gen_budget=generation_budget(cfg),
     )
     return trainer, tok
+
+
+def generation_budget(cfg: RunConfig) -> int:
+    """Most tokens one episode can generate: the Dr. GRPO ``max_len`` (docs/corrections.md section 9).
+
+    ``rollout.max_total_tokens`` caps prompt + generated + tool tokens; with a
+    ``max_turns`` env option, ``max_turns * rollout.max_new_tokens`` caps it too.
+    """
+    turns = cfg.env.options.get("max_turns")
+    budget = cfg.rollout.max_total_tokens
+    if isinstance(turns, int) and turns > 0:
+        budget = min(budget, turns * cfg.rollout.max_new_tokens)
+    return budget
 
 
 def trainer_state(trainer: Any) -> dict[str, Any]:

@@ -45,6 +45,7 @@ from torch import Tensor
 from mixrl.config.loss import LossConfig, check_compatible
 from mixrl.corrections import LossInputs, aggregation_denominator, compute_loss
 from mixrl.models.chunked import TokenLogprobs, chunked_logprobs
+from mixrl.rollout.screen import sampling_error
 from mixrl.rollout.types import Trajectory
 from mixrl.train.batch import BatchStats, Record, TrainBatch, collate, prepare
 
@@ -79,6 +80,8 @@ class Trainer:
         chunk_size: int = 1024,
         pad_id: int = 0,
         seed: int = 0,
+        max_malformed_frac: float | None = None,  # a step dropping more as malformed raises; None = never
+        gen_budget: int | None = None,  # generation budget per trajectory, for seq_mean_token_sum_norm
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {tuple(PRECISIONS)}")
@@ -97,6 +100,7 @@ class Trainer:
         self.epochs, self.minibatches, self.temperature = epochs, minibatches, temperature
         self.micro_batch_size, self.chunk_size, self.pad_id, self.seed = micro_batch_size, chunk_size, pad_id, seed
         self.grad_clip, self.precision = grad_clip, precision
+        self.max_malformed_frac, self.gen_budget = max_malformed_frac, gen_budget
         self.cand_kind = needed_cand_kind(loss_cfg)
         self.version = 0
         model.to(PRECISIONS[precision])
@@ -158,8 +162,9 @@ class Trainer:
 
     def denominator(self, records: list[Record], mode: str, G: int | None, max_len: int | None) -> float:
         seq_ids = torch.cat([torch.full((int(r.gen_pos.numel()),), i) for i, r in enumerate(records)])
+        max_len = max_len if max_len is not None else self.gen_budget  # D = S · budget = prompts · G · budget
         if mode == "seq_mean_token_sum_norm" and max_len is None:
-            max_len = max(int(r.gen_pos.numel()) for r in records)  # documented fallback
+            max_len = max(int(r.gen_pos.numel()) for r in records)  # no budget given: documented fallback
         return aggregation_denominator(mode, torch.ones(seq_ids.shape[0], dtype=torch.bool), seq_ids,
                                        len(records), G=G, max_len=max_len)
 
@@ -203,8 +208,20 @@ class Trainer:
 
     def _prepare(self, trajectories: Sequence[Trajectory], advantages: Any, strict: bool) -> tuple[list[Record], BatchStats]:
         vocab = int(self.model.lm_head.weight.shape[0])
-        return prepare(trajectories, advantages, vocab_size=vocab, cand_kind=self.cand_kind,
-                       temperature=self.temperature, strict=strict)
+        records, stats = prepare(trajectories, advantages, vocab_size=vocab, cand_kind=self.cand_kind,
+                                 temperature=self.temperature, strict=strict)
+        kept = []  # the sampling recorded per result must be one the loss can score (rollout.screen)
+        for r in records:
+            err = sampling_error(trajectories[r.index], self.cand_kind)
+            if err is None:
+                kept.append(r)
+                continue
+            msg = f"trajectory {r.index} (prompt {trajectories[r.index].prompt_id!r}): {err}"
+            if strict:
+                raise ValueError(msg)
+            stats.dropped_malformed += 1
+            stats.errors.append(msg)
+        return kept, stats
 
     def step(
         self,
@@ -220,7 +237,8 @@ class Trainer:
         t0 = time.perf_counter()
         mode = denom_mode or self.loss_cfg.aggregation
         records, stats = self._prepare(trajectories, advantages, strict)
-        if 2 * stats.dropped_malformed > len(trajectories):  # a silent no-op update otherwise
+        frac = self.max_malformed_frac
+        if frac is not None and stats.dropped_malformed > frac * len(trajectories):  # else a silent no-op
             raise MalformedBatchError(
                 f"{stats.dropped_malformed} of {len(trajectories)} trajectories of step {self.version + 1} "
                 f"are malformed (first: {stats.errors[0]})")
