@@ -1,0 +1,218 @@
+"""Sessions of an OpenAI-style chat, recorded as exact token ids.
+
+A session (one agent episode) sends its whole conversation on every request.
+The server keeps what it already encoded and generated for that session, so a
+request whose messages *extend* the recorded ones is encoded as exactly
+
+    recorded tokens (prompt, replies as generated)  +  ids of the new messages + assistant header
+
+where the new messages are rendered with the tokenizer's own template as the
+difference between a conversation with and without them (``ChatFormat``'s
+rule: cut after the last assistant reply's end-of-turn token). The agent's copy
+of an earlier reply is never re-tokenized: it only has to *match* what the
+server returned (content and tool calls), so the recorded ids stand for it.
+
+A request that does not extend the record (the agent edited or dropped its
+past, changed its tools, or asks again at the same point) starts a new
+*segment*: the conversation is rendered from scratch as prompt tokens (loss
+mask 0) and ``history_rewrites`` is counted. A segment never mixes
+re-tokenized text into recorded replies.
+
+Worked example (session "s", n = 1)::
+
+    request 1  [user "2+3?"]                      -> segment 0: prompt P1, reply R1
+    request 2  [user, assistant R1, tool "5"]     -> extends: P1 R1 T2 (T2 = tool turn + header), reply R2
+    request 3  [user "2+3?" edited, ...]          -> rewrite: segment 1 from scratch, history_rewrites = 1
+    finish("s")                                    -> the trajectory of the last segment (+ earlier ones, counted)
+
+With ``n > 1`` each choice is a fork of the record; the next request continues
+the fork whose reply it carries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from mixrl.envs.chat import ChatFormat
+from mixrl.envs.untrusted import encode_untrusted
+from mixrl.rollout.session import _append_env, _append_generated
+from mixrl.rollout.types import Trajectory
+from mixrl.sampling.base import GenerationResult
+
+
+# Private-use characters no template or text contains: message contents are located in the
+# rendered text through them and encoded apart, as untrusted text (a tool result that
+# prints "<|im_end|>" stays text), while the template's own text becomes special ids.
+SENTINEL = "\ue010{}\ue011"
+FILLER_USER, FILLER_REPLY = "\ue012", "\ue013"
+
+
+def _render(chat: ChatFormat, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
+    try:
+        return str(chat.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False, chat_template=chat.template))
+    except Exception as e:  # a template that cannot render these roles or fields
+        raise ValueError(f"the chat template failed on roles {[m['role'] for m in messages]}: {e}") from e
+
+
+def _ids(chat: ChatFormat, text: str, contents: list[str]) -> list[int]:
+    """Encode rendered ``text``: template parts as trusted text, each sentinel as its content."""
+    out: list[int] = []
+    for i, content in enumerate(contents):
+        mark = SENTINEL.format(i)
+        if text.count(mark) != 1:
+            raise ValueError(f"the chat template does not write message contents verbatim (content {i})")
+        before, text = text.split(mark)
+        out += chat.encode(before) + encode_untrusted(chat.tokenizer, content)
+    return out + chat.encode(text)
+
+
+def _text(content: Any) -> str:
+    """OpenAI content (a string, None, or a list of text parts) as one string."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("type") == "text")
+    raise ValueError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
+
+
+def _args(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def normalize(message: dict[str, Any]) -> tuple:
+    """What must match for a message to stand for a recorded one (role, text, calls, ids)."""
+    calls = tuple((c.get("function", {}).get("name"), json.dumps(_args(c.get("function", {}).get("arguments")),
+                                                                   sort_keys=True))
+                  for c in message.get("tool_calls") or ())
+    return (message.get("role"), _text(message.get("content")).strip(), calls, message.get("tool_call_id") or "")
+
+
+def _for_template(messages: list[dict[str, Any]], contents: list[str]) -> list[dict[str, Any]]:
+    """Copies of ``messages`` with each content replaced by a sentinel (collected in ``contents``)."""
+    out = []
+    for m in messages:
+        if m.get("role") not in ("system", "user", "assistant", "tool"):
+            raise ValueError(f"message role must be system, user, assistant or tool, got {m.get('role')!r}")
+        t = {k: v for k, v in m.items() if k in ("role", "name", "tool_call_id")}
+        text = _text(m.get("content"))
+        if text:
+            t["content"] = SENTINEL.format(len(contents))
+            contents.append(text)
+        else:
+            t["content"] = ""
+        if m.get("tool_calls"):
+            t["tool_calls"] = [{"type": "function", "id": c.get("id"),
+                                "function": {"name": c["function"]["name"],
+                                             "arguments": _args(c["function"].get("arguments"))}}
+                               for c in m["tool_calls"]]
+        out.append(t)
+    return out
+
+
+def render_ids(chat: ChatFormat, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+    """A whole conversation plus the assistant header (a new segment's prompt)."""
+    contents: list[str] = []
+    msgs = _for_template(messages, contents)
+    return _ids(chat, _render(chat, msgs, tools), contents)
+
+
+def continuation_ids(chat: ChatFormat, new: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+    """Ids of ``new`` messages after an assistant reply's end-of-turn token, plus the header."""
+    contents: list[str] = []
+    history = [{"role": "user", "content": FILLER_USER}, {"role": "assistant", "content": FILLER_REPLY}]
+    full = _render(chat, history + _for_template(new, contents), tools)
+    cut = full.index(FILLER_REPLY) + len(FILLER_REPLY)
+    eot = chat.decode([chat.end_of_turn_id])
+    if full.startswith(eot, cut):  # the generated reply already holds that token
+        cut += len(eot)
+    return _ids(chat, full[cut:], contents)
+
+
+@dataclass
+class Fork:
+    traj: Trajectory  # the record up to and including this choice's reply
+    reply: tuple  # normalize() of the assistant message returned for it
+
+
+@dataclass
+class SessionState:
+    prefix: list[tuple] = field(default_factory=list)  # normalized messages before the last reply
+    tools_key: str = ""
+    forks: list[Fork] = field(default_factory=list)
+    finished: list[Trajectory] = field(default_factory=list)  # earlier segments
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+class SessionStore:
+    """Session id -> recorded segments; counts ``history_rewrites``."""
+
+    def __init__(self, chat: ChatFormat) -> None:
+        self.chat = chat
+        self.sessions: dict[str, SessionState] = {}
+        self.history_rewrites = 0
+
+    def state(self, session: str) -> SessionState:
+        return self.sessions.setdefault(session, SessionState())
+
+    def prompt(self, st: SessionState, session: str, messages: list[dict[str, Any]],
+               tools: list[Any] | None) -> Trajectory:
+        """The record a new generation continues (a copy; the caller appends the reply)."""
+        if not messages:
+            raise ValueError("messages must not be empty")
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        norm = [normalize(m) for m in messages]
+        k = len(st.prefix)
+        if st.forks and key == st.tools_key and len(norm) > k + 1 and norm[:k] == st.prefix:
+            for fork in st.forks:
+                if fork.reply == norm[k]:
+                    traj = copy.deepcopy(fork.traj)
+                    if not traj.tokens or traj.tokens[-1] not in self.chat.stop_ids:
+                        _append_env(traj, [self.chat.end_of_turn_id])  # the reply was cut (length, stop string)
+                    _append_env(traj, continuation_ids(self.chat, messages[k + 1:], tools))
+                    st.prefix, st.tools_key = norm, key
+                    return traj
+        if st.forks:  # the agent's history is not ours: a new segment
+            self.history_rewrites += 1
+            st.finished.append(st.forks[0].traj)
+        traj = Trajectory(prompt_id=session, sample_idx=0, task="openai")
+        traj.info["segment"] = len(st.finished)
+        _append_env(traj, render_ids(self.chat, messages, tools))
+        st.prefix, st.tools_key, st.forks = norm, key, []
+        return traj
+
+    def record(self, st: SessionState, base: Trajectory, results: list[tuple[GenerationResult, list[int], dict]]) -> None:
+        """Keep each choice (its result, the ids kept, the message returned) as a fork."""
+        forks = []
+        for res, ids, message in results:
+            traj = copy.deepcopy(base)
+            kept = GenerationResult(
+                token_ids=ids, logprobs=res.logprobs[: len(ids)],
+                cand_offsets=res.cand_offsets[: len(ids) + 1],
+                cand_ids=res.cand_ids[: res.cand_offsets[len(ids)]],
+                cand_logprobs=res.cand_logprobs[: res.cand_offsets[len(ids)]],
+                cand_kind=res.cand_kind, version=res.version, group=res.group,
+                finish_reason=res.finish_reason,
+            )  # fmt: skip
+            _append_generated(traj, kept)
+            traj.turns += 1
+            forks.append(Fork(traj, normalize(message)))
+        st.forks = forks
+
+    def finish(self, session: str) -> tuple[Trajectory | None, int]:
+        """The session's last segment (what trains) and how many earlier segments it had."""
+        st = self.sessions.pop(session, None)
+        if st is None or not st.forks:
+            return None, len(st.finished) if st else 0
+        return st.forks[0].traj, len(st.finished)

@@ -1,0 +1,206 @@
+"""The endpoint's logic, apart from HTTP: OpenAI request bodies in, response bodies out.
+
+``ServeCore`` turns a chat or completion request into one ``GenerationRequest``
+per choice, sends it through ``generate(session, request)`` (the fleet's
+router: every request of a session is pinned to one sampler group), records
+the result in the session (``SessionStore``), and answers in OpenAI's shapes.
+
+Sampling parameters map one to one (``temperature``, ``top_p``, ``max_tokens``
+/ ``max_completion_tokens``, ``seed``); ``temperature = 0`` is greedy (top-k 1:
+the recorded behaviour log-prob is then 0, exactly the distribution sampled
+from). ``stop`` strings end a reply at the first token that completes one; the
+tokens kept are recorded, those after it are not. A session is named by the
+``X-Session-ID`` header or the body's ``user`` field; a request without one is
+a session of its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from mixrl.envs.chat import ChatFormat
+from mixrl.rollout.session import _append_env
+from mixrl.rollout.types import Trajectory
+from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.serve import toolcalls
+from mixrl.serve.conversation import SessionStore
+
+Generate = Callable[[str, GenerationRequest], Awaitable[GenerationResult]]
+
+
+class ApiError(Exception):
+    """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _num(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -> float:
+    v = body.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+        raise ApiError(400, f"{key} must be a number in [{lo}, {hi}], got {v!r}", param=key)
+    return float(v)
+
+
+class ServeCore:
+    def __init__(self, chat: ChatFormat, generate: Generate, *, model: str, max_total_tokens: int,
+                 default_max_tokens: int = 256, record: str = "support", tool_parser: str = "auto") -> None:
+        self.chat, self.generate, self.model = chat, generate, model
+        self.max_total_tokens, self.default_max_tokens = max_total_tokens, default_max_tokens
+        self.record, self.tool_parser = record, tool_parser
+        self.sessions = SessionStore(chat)
+        self.counts = {"requests": 0, "errors": 0, "generated_tokens": 0}
+
+    # -- parameters ------------------------------------------------------------------
+    def _params(self, body: dict[str, Any], prompt_len: int) -> tuple[SamplingParams, int, list[str]]:
+        n = body.get("n", 1)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 16:
+            raise ApiError(400, f"n must be an integer in [1, 16], got {n!r}", param="n")
+        temperature = _num(body, "temperature", 1.0, 0.0, 2.0)
+        top_p = _num(body, "top_p", 1.0, 0.0, 1.0)
+        if top_p == 0:
+            raise ApiError(400, "top_p must be > 0", param="top_p")
+        key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = int(_num(body, key, self.default_max_tokens, 1, 1 << 20))
+        room = self.max_total_tokens - prompt_len
+        if room < 1:
+            raise ApiError(400, f"the conversation has {prompt_len} tokens; this endpoint's context is "
+                                f"{self.max_total_tokens}", param="messages", code="context_length_exceeded")
+        stop = body.get("stop") or []
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > 4:
+            raise ApiError(400, "stop must be a string or a list of up to 4 non-empty strings", param="stop")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ApiError(400, f"seed must be an integer, got {seed!r}", param="seed")
+        greedy = temperature == 0
+        params = SamplingParams(temperature=1.0 if greedy else temperature, top_p=top_p, top_k=1 if greedy else 0,
+                                max_new_tokens=min(max_tokens, room), stop_ids=self.chat.stop_ids,
+                                record=self.record, seed=None if seed is None else seed & 0xFFFFFFFF)
+        return params, n, stop
+
+    def _cut(self, ids: list[int], stop: list[str]) -> tuple[list[int], str, bool]:
+        """Ids kept, reply text, and whether a stop string ended it."""
+        text = self.chat.reply_text(ids)
+        if not stop:
+            return ids, text, False
+        hits = [(text.find(s), s) for s in stop if s in text]
+        if not hits:
+            return ids, text, False
+        at = min(hits)[0]
+        for j in range(1, len(ids) + 1):  # the first token whose text reaches past the stop's start
+            if len(self.chat.reply_text(ids[:j])) > at:
+                return ids[:j], text[:at], True
+        return ids, text[:at], True
+
+    def _logprobs(self, res: GenerationResult, ids: list[int], top: int) -> dict[str, Any]:
+        content = []
+        for j, tok in enumerate(ids):
+            a, b = res.cand_offsets[j], res.cand_offsets[j + 1]
+            cands = sorted(zip(res.cand_logprobs[a:b], res.cand_ids[a:b], strict=True), reverse=True)[:top]
+            piece = self.chat.decode([tok])
+            content.append({"token": piece, "logprob": res.logprobs[j], "bytes": list(piece.encode()),
+                            "top_logprobs": [{"token": self.chat.decode([c]), "logprob": lp,
+                                              "bytes": list(self.chat.decode([c]).encode())} for lp, c in cands]})
+        return {"content": content}
+
+    async def _choices(self, session: str, base: Trajectory, params: SamplingParams, n: int) -> list[GenerationResult]:
+        reqs = [GenerationRequest(list(base.tokens), params if params.seed is None or i == 0 else
+                                  SamplingParams(**{**params.__dict__, "seed": (params.seed + i) & 0xFFFFFFFF}),
+                                  request_id=f"{session}/{len(base.tokens)}/{i}") for i in range(n)]
+        results = await asyncio.gather(*(self.generate(session, r) for r in reqs))
+        for r in results:
+            if r.finish_reason in ("error", "numerical_error", "context_exceeded"):
+                raise ApiError(503, f"the sampler failed: {r.finish_reason} {r.error}".strip(),
+                               type_="server_error", code="sampler_failed")
+        return list(results)
+
+    # -- endpoints ------------------------------------------------------------------------
+    async def chat_completion(self, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+        if body.get("stream"):
+            raise ApiError(400, "stream=true is not supported by this endpoint", param="stream")
+        messages, tools = body.get("messages"), body.get("tools") or None
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "messages must be a non-empty list of message objects", param="messages")
+        if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+            raise ApiError(400, "tools must be a list of tool objects", param="tools")
+        parser = "none" if body.get("tool_choice") == "none" else self.tool_parser
+        top = body.get("top_logprobs") or 0
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+            raise ApiError(400, f"top_logprobs must be an integer in [0, 20], got {top!r}", param="top_logprobs")
+        ephemeral = session is None
+        session = session or f"anon-{uuid.uuid4().hex}"
+        st = self.sessions.state(session)
+        async with st.lock:
+            try:
+                base = self.sessions.prompt(st, session, messages, tools)
+            except ValueError as e:
+                raise ApiError(400, str(e), param="messages") from None
+            params, n, stop = self._params(body, len(base.tokens))
+            results = await self._choices(session, base, params, n)
+            choices, recorded = [], []
+            for i, res in enumerate(results):
+                ids, text, stopped = self._cut(res.token_ids, stop)
+                content, calls = toolcalls.parse(text, tools, parser)
+                ended = stopped or (bool(ids) and ids[-1] in self.chat.stop_ids)
+                message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+                if calls:
+                    message["tool_calls"] = calls
+                choice = {"index": i, "message": message,
+                          "finish_reason": "tool_calls" if calls else ("stop" if ended else "length"),
+                          "logprobs": self._logprobs(res, ids, top) if body.get("logprobs") else None}
+                choices.append(choice)
+                recorded.append((res, ids, message))
+                self.counts["generated_tokens"] += len(ids)
+            self.sessions.record(st, base, recorded)
+        if ephemeral:
+            self.sessions.finish(session)
+        self.counts["requests"] += 1
+        gen = sum(len(r[1]) for r in recorded)
+        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model, "choices": choices,
+                "usage": {"prompt_tokens": len(base.tokens), "completion_tokens": gen,
+                          "total_tokens": len(base.tokens) + gen},
+                "mixrl": {"session": None if ephemeral else session, "group": results[0].group,
+                          "version": results[0].version, "segment": base.info.get("segment", 0)}}
+
+    async def completion(self, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+        if body.get("stream"):
+            raise ApiError(400, "stream=true is not supported by this endpoint", param="stream")
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+            vocab = len(self.chat.tokenizer)
+            if any(not 0 <= t < vocab for t in ids):
+                raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
+        elif isinstance(prompt, str) and prompt:
+            ids = self.chat.encode(prompt)
+        else:
+            raise ApiError(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
+        params, n, stop = self._params(body, len(ids))
+        traj = Trajectory(prompt_id=session or "anon", sample_idx=0, task="openai")
+        _append_env(traj, ids)
+        results = await self._choices(session or f"anon-{uuid.uuid4().hex}", traj, params, n)
+        choices, gen = [], 0
+        for i, res in enumerate(results):
+            kept, text, stopped = self._cut(res.token_ids, stop)
+            gen += len(kept)
+            ended = stopped or (bool(kept) and kept[-1] in self.chat.stop_ids)
+            choices.append({"index": i, "text": text, "finish_reason": "stop" if ended else "length",
+                            "logprobs": None})
+        self.counts["requests"] += 1
+        self.counts["generated_tokens"] += gen
+        return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model, "choices": choices,
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": gen, "total_tokens": len(ids) + gen}}
