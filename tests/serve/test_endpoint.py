@@ -97,7 +97,6 @@ def _client(core, api_key: str | None = None, key: str = "k"):
 def test_multi_turn_record_is_the_template_rendering_and_fp32_logprobs(tiny: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from mixrl.serve.conversation import render_ids
 
     core, tok = _core(tiny)
     client, _ = _client(core)

@@ -43,7 +43,6 @@ from mixrl.rollout.session import _append_env, _append_generated
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationResult
 
-
 # Private-use characters no template or text contains: message contents are located in the
 # rendered text through them and encoded apart, as untrusted text (a tool result that
 # prints "<|im_end|>" stays text), while the template's own text becomes special ids.
