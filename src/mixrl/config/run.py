@@ -50,6 +50,23 @@ class EnvConfig(_Section):
     options: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for make_env (max_turns, ...)")
 
 
+class OverlongFilter(_Section):
+    """DAPO overlong filtering: a truncated episode gets no loss and leaves its group's statistics."""
+
+    type: Literal["filter"] = "filter"
+
+
+class OverlongPenalty(_Section):
+    """DAPO soft overlong punishment (arXiv 2503.14476 eq. 13), added to the reward before advantages."""
+
+    type: Literal["penalty"] = "penalty"
+    buffer: int = Field(default=16, ge=1, le=1 << 20, description="L_cache: the penalty ramps from 0 to -factor over the last `buffer` tokens of the budget")
+    factor: float = Field(default=1.0, gt=0, le=100, description="penalty at the generation budget")
+
+
+Overlong = Annotated[OverlongFilter | OverlongPenalty, Field(discriminator="type")]
+
+
 class RolloutConfig(_Section):
     """How trajectories are sampled."""
 
@@ -62,6 +79,8 @@ class RolloutConfig(_Section):
     record: str = Field(default="auto", description='which candidates of q to record: "auto" (support if top_p < 1 else head:K), "support", "head:K", "none"')
     head_k: int | None = Field(default=None, ge=1, le=4096, description='K for record = "auto" with full-vocabulary sampling; None = the preset\'s head_k')
     max_inflight_prompts: int | None = Field(default=None, ge=1, le=1 << 16, description="prompts being sampled at once (async); None = 2 * prompts_per_step")
+    dynamic_sampling: bool = Field(default=False, description="skip complete groups whose rewards are all equal (no signal) and sample more prompts in their place (DAPO)")
+    overlong: Overlong | None = Field(default=None, description='episodes that reach the generation budget: {type="filter"} (no loss) or {type="penalty", buffer=.., factor=..} (DAPO); None = off')
 
     @field_validator("record")
     @classmethod
@@ -146,6 +165,9 @@ class OptimConfig(_Section):
     precision: Literal["fp32", "bf16"] = Field(default="fp32", description="trainer precision (fp32 on CPU)")
     epochs: int = Field(default=1, ge=1, le=64, description="optimizer passes over each batch (PPO epochs)")
     minibatches: int = Field(default=1, ge=1, le=4096, description="optimizer steps per epoch")
+    schedule: Literal["constant", "linear", "cosine"] = Field(default="constant", description="learning-rate schedule over runtime.steps, after warm-up")
+    warmup_steps: int = Field(default=0, ge=0, le=1 << 24, description="updates of linear warm-up from 0 to lr")
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1.0, description="linear/cosine: lr at the last update as a fraction of lr")
 
 
 class RayConfig(_Section):
