@@ -59,7 +59,7 @@ def private_root() -> Iterator[str]:
     in the system temp dir, not under pytest's 0700 ``tmp_path``; only it is ever changed)."""
     tmp = tempfile.gettempdir()
     before = _mode(tmp)
-    fails = dict(sbmod.FAILURES)
+    fails = dict(+sbmod.FAILURES)
     root = tempfile.mkdtemp(prefix="mixrl-test-root-", dir=tmp)
     os.chmod(root, 0o711)  # our own new directory: the sandbox uid may traverse it
     old = (sbmod.HOST.root, sbmod.HOST.total_memory_bytes)
@@ -73,4 +73,4 @@ def private_root() -> Iterator[str]:
             os.rmdir(root)
         assert _mode(tmp) == before, f"the mode of {tmp} changed: {oct(before)} -> {oct(_mode(tmp))}"
         assert not left, f"episodes left behind in {root}: {left[:5]}"
-        assert dict(sbmod.FAILURES) == fails, f"cleanup failures: {dict(sbmod.FAILURES)}"
+        assert dict(+sbmod.FAILURES) == fails, f"cleanup failures: {dict(sbmod.FAILURES)}"
