@@ -195,6 +195,15 @@ class AdvantageConfig(_Strict):
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 
 
+class RefKL(_Strict):
+    """KL penalty against the initial policy (section 13): ``coef · KL`` with a k1 or k3 estimator."""
+
+    coef: float = Field(default=..., gt=0.0, le=100.0, description="weight of the penalty")
+    estimator: Literal["k1", "k3"] = Field(
+        default="k3", description="k3: GRPO's low-variance form; k1: score-function form of KL(p_θ‖p_ref)"
+    )
+
+
 class LossConfig(_Strict):
     """The whole loss: objective, composed behaviour corrections, SC, replay, aggregation."""
 
@@ -218,6 +227,12 @@ class LossConfig(_Strict):
     )
     advantage: AdvantageConfig = Field(
         default_factory=AdvantageConfig, description="GRPO advantages"
+    )
+    ref_kl: RefKL | None = Field(
+        default=None, description="KL penalty against the initial policy; None = off (section 13)"
+    )
+    entropy_coef: float = Field(
+        default=0.0, ge=0.0, le=10.0, description="entropy bonus weight; 0 = off (section 13)"
     )
     # e^(2c) must stay below float32's 3.4e38 (Σw² of corr/ess): c <= 44; 40 leaves margin
     log_ratio_clamp: float = Field(

@@ -12,12 +12,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-Status = Literal["ok", "format_error", "max_turns", "truncated", "infra_failed", "reward_failed"]
-STATUSES: tuple[str, ...] = ("ok", "format_error", "max_turns", "truncated", "infra_failed", "reward_failed")
+Status = Literal["ok", "format_error", "max_turns", "truncated", "infra_failed", "reward_failed", "agent_failed"]
+STATUSES: tuple[str, ...] = ("ok", "format_error", "max_turns", "truncated", "infra_failed", "reward_failed",
+                             "agent_failed")
 # Episodes without a reward (reward None): an infrastructure failure, or a user
 # reward function that raised / returned NaN or None. Never reward 0: they are
 # left out of advantages and of the loss, and counted.
-UNREWARDED: tuple[str, ...] = ("infra_failed", "reward_failed")
+# An agent episode whose code raised, hung or never sampled (``agent_failed``) is one too.
+UNREWARDED: tuple[str, ...] = ("infra_failed", "reward_failed", "agent_failed")
 
 
 @dataclass

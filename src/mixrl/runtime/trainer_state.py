@@ -40,8 +40,22 @@ def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any) -> tuple[Any, 
         temperature=cfg.rollout.temperature,
         max_malformed_frac=0.5,  # a step that drops more than half its batch fails the run
         gen_budget=generation_budget(cfg),
+        lr_schedule=lr_schedule(cfg),
     )
     return trainer, tok
+
+
+def lr_schedule(cfg: RunConfig) -> Any:
+    """``optim.schedule`` as a function of the update index (None: constant lr, no warm-up)."""
+    import functools
+
+    from mixrl.train.schedule import lr_factor
+
+    o = cfg.optim
+    if o.schedule == "constant" and o.warmup_steps == 0:
+        return None
+    return functools.partial(lr_factor, schedule=o.schedule, total=cfg.runtime.steps,
+                             warmup=o.warmup_steps, min_ratio=o.min_lr_ratio)
 
 
 def generation_budget(cfg: RunConfig) -> int:

@@ -34,9 +34,10 @@ per call, so it always equals the number of completed steps.
 
 from __future__ import annotations
 
+import copy
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -82,6 +83,7 @@ class Trainer:
         seed: int = 0,
         max_malformed_frac: float | None = None,  # a step dropping more as malformed raises; None = never
         gen_budget: int | None = None,  # generation budget per trajectory, for seq_mean_token_sum_norm
+        lr_schedule: Callable[[int], float] | None = None,  # lr multiplier per update (train.schedule)
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {tuple(PRECISIONS)}")
@@ -92,7 +94,7 @@ class Trainer:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if minibatches < 1 or (micro_batch_size is not None and micro_batch_size < 1):
             raise ValueError(f"minibatches={minibatches} and micro_batch_size={micro_batch_size} must be >= 1")
-        check_compatible(loss_cfg, epochs)
+        check_compatible(loss_cfg, epochs, minibatches)
         if minibatches > 1 and loss_cfg.score_centering:
             raise ValueError(f"loss.score_centering=True with minibatches={minibatches}: score centering "
                              "needs p_θ == p_old where the gradient is taken; set minibatches=1")
@@ -101,6 +103,7 @@ class Trainer:
         self.micro_batch_size, self.chunk_size, self.pad_id, self.seed = micro_batch_size, chunk_size, pad_id, seed
         self.grad_clip, self.precision = grad_clip, precision
         self.max_malformed_frac, self.gen_budget = max_malformed_frac, gen_budget
+        self.lr_schedule, self.base_lr = lr_schedule, lr
         self.cand_kind = needed_cand_kind(loss_cfg)
         self.version = 0
         model.to(PRECISIONS[precision])
@@ -111,6 +114,8 @@ class Trainer:
         opt_params = self.master if self.master is not None else self.params
         self.optimizer = torch.optim.AdamW(opt_params, lr=lr, weight_decay=weight_decay)
         self.device = self.params[0].device if self.params else torch.device("cpu")
+        # loss.ref_kl: a frozen copy of the initial policy (docs/corrections.md section 13)
+        self.ref_model = copy.deepcopy(model).requires_grad_(False) if loss_cfg.ref_kl is not None else None
 
     # ------------------------------------------------------------------ forward
 
@@ -127,7 +132,7 @@ class Trainer:
             replay=self.loss_cfg.support_replay, chunk_size=self.chunk_size)
 
     def _inputs(self, tb: TrainBatch, lp: Tensor, clp: Tensor, ent: Tensor | None,
-                old: Tensor, cold: Tensor, names: list[str]) -> LossInputs:
+                old: Tensor, cold: Tensor, names: list[str], ref: Tensor | None = None) -> LossInputs:
         kind, n = self.cand_kind, lp.shape[0]
         return LossInputs(
             trainer_logprobs=lp, old_logprobs=old, sampler_logprobs=tb.sampler_logprobs,
@@ -140,7 +145,18 @@ class Trainer:
             cand_sampler_logprobs=tb.cand_logprobs if kind != "none" else None,
             entropy=ent, group_ids=tb.group_ids, group_names=names,
             # trainer version the update starts from − token version: 0 = precision only
-            staleness=torch.where(tb.versions >= 0, self.version - tb.versions, -1))
+            staleness=torch.where(tb.versions >= 0, self.version - tb.versions, -1), ref_logprobs=ref)
+
+    def _ref_logprobs(self, tb: TrainBatch) -> Tensor | None:
+        """log p_ref(y_t) of the frozen initial policy (loss.ref_kl), by the same forward pass."""
+        if self.ref_model is None:
+            return None
+        live, self.model = self.model, self.ref_model
+        try:
+            with torch.no_grad():
+                return self._forward(tb).logprobs
+        finally:
+            self.model = live
 
     def _micro(self, records: list[Record]) -> list[list[Record]]:
         m = self.micro_batch_size or len(records)
@@ -179,7 +195,8 @@ class Trainer:
             old = tb.old_logprobs if decoupled else out.logprobs.detach()
             cold = tb.cand_old_logprobs if decoupled else out.cand_logprobs.detach()
             assert old is not None and cold is not None
-            inp = self._inputs(tb, out.logprobs, out.cand_logprobs, out.entropy, old, cold, names)
+            inp = self._inputs(tb, out.logprobs, out.cand_logprobs, out.entropy, old, cold, names,
+                               ref=self._ref_logprobs(tb))
             loss, metrics = compute_loss(inp, self.loss_cfg, denom)
             loss.backward()
             loss_sum, n_micro = loss_sum + float(loss.detach()), n_micro + 1
@@ -242,6 +259,9 @@ class Trainer:
             raise MalformedBatchError(
                 f"{stats.dropped_malformed} of {len(trajectories)} trajectories of step {self.version + 1} "
                 f"are malformed (first: {stats.errors[0]})")
+        if self.lr_schedule is not None:  # the multiplier depends only on the version: resumable
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.base_lr * self.lr_schedule(self.version)
         for p in self.params:  # gradients left by backward() must not leak into the update
             p.grad = None
         metrics: dict[str, float] = {}
@@ -282,7 +302,8 @@ class Trainer:
         assert tb.cand_trainer_logprobs is not None and tb.cand_old_logprobs is not None
         with torch.no_grad():
             inp = self._inputs(tb, tb.trainer_logprobs, tb.cand_trainer_logprobs, tb.entropy,
-                               tb.old_logprobs, tb.cand_old_logprobs, stats.group_names)
+                               tb.old_logprobs, tb.cand_old_logprobs, stats.group_names,
+                               ref=self._ref_logprobs(tb))
             return compute_loss(inp, self.loss_cfg, self.denominator(records, mode, G, max_len))[1]
 
     def _optimizer_step(self) -> float:
