@@ -14,8 +14,9 @@ import sys
 # command -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("mixrl.runtime.cli", "run RL training (no arguments: the bundled demo)"),
-    "eval": ("mixrl.rollout.evaluate", "pass@k of a checkpoint on the held-out split"),
+    "eval": ("mixrl.runtime.evalcmd", "pass@k of a checkpoint on the held-out split (a run's own data with --config)"),
     "pretrain": ("mixrl.models.pretrain", "build and warm-start the bundled small policy"),
+    "export": ("mixrl.train.export", "a run's checkpoint as a Hugging Face model directory"),
     "probe": ("mixrl.sampling.probe", "measure sampler-trainer mismatch of precision profiles"),
     "bench": ("mixrl.bench.cli", "benchmarks: loss, sampler, e2e (JSON with --json)"),
     "compare": ("mixrl.observe.compare", "run the correction arms on mixed and homogeneous fleets"),
@@ -38,7 +39,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"mixrl {name}", description=COMMANDS[name][1])
     module.configure(parser)
     args = parser.parse_args(rest)
-    return int(module.main(args) or 0)
+    from mixrl.config.run import ConfigError
+
+    try:
+        return int(module.main(args) or 0)
+    except ConfigError as e:  # bad user input found late (e.g. a Ray token): one line, status 2
+        print(f"mixrl {name}: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -20,18 +20,28 @@ Adding a family (the hook ``envs/coding`` uses): call
 at import of your module, and add ``name -> module`` to ``LAZY_FAMILIES`` so
 the registry imports it on first use (``"coding" -> "mixrl.envs.coding"`` is
 there already). ``make_env`` passes only the ``cfg`` keys that the family's
-factory accepts, so one config can serve a mix of families.
+factory accepts, so one config can serve a mix of families; ``check_env``
+(run at ``--dry-run``) rejects a key no part accepts, naming the valid ones.
+
+Your own environment, without touching this file: ``env.name =
+"package.module:MyEnv"`` (an ``Env`` or ``MessageEnv`` subclass, built as
+``MyEnv(task, chat, **env.options)``), or an entry point in the ``mixrl.envs``
+group (``[project.entry-points."mixrl.envs"] myenv = "pkg.mod:MyEnv"``).
+With ``[data]`` configured (``activate(cfg)``, called by the runtime), tasks
+come from the dataset rows (``mixrl.data``) whatever the environment, and
+``env.name = "dataset"`` scores replies with the ``[reward]`` functions.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from mixrl.envs import calc, reverse, upper
+from mixrl.envs import calc, dataset, reverse, upper
 from mixrl.envs.base import Env, Task
 from mixrl.envs.chat import ChatFormat
 
@@ -42,7 +52,7 @@ TRAIN_SIZE = 10**9  # train sources are effectively endless
 @dataclass(frozen=True)
 class Family:
     name: str
-    make_task: Callable[[int, str, int], Task]  # (seed, split, index) -> Task
+    make_task: Callable[[int, str, int], Task] | None  # (seed, split, index) -> Task; None = needs [data]
     make_env: Callable[..., Env]  # (task, chat, **cfg) -> Env
     heldout_size: int = 200
 
@@ -54,7 +64,7 @@ MIXES: dict[str, tuple[str, ...]] = {"mix": ("calc", "upper")}
 
 def register_family(
     name: str,
-    make_task: Callable[[int, str, int], Task],
+    make_task: Callable[[int, str, int], Task] | None,
     make_env: Callable[..., Env],
     heldout_size: int = 200,
 ) -> None:
@@ -67,13 +77,124 @@ register_family("upper", upper.make_task, upper.UpperEnv, heldout_size=200)
 register_family("reverse", reverse.make_task, reverse.ReverseEnv, heldout_size=200)
 
 
+register_family("dataset", None, dataset.DatasetEnv, heldout_size=0)
+ENTRY_POINT_GROUP = "mixrl.envs"
+
+
+def _entry_points() -> dict[str, Any]:
+    return {ep.name: ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}
+
+
+def known_names() -> list[str]:
+    """Every environment name ``env.name`` accepts (besides ``package.module:Class``)."""
+    return sorted(set(FAMILIES) | set(LAZY_FAMILIES) | set(MIXES) | set(_entry_points()))
+
+
+def _plugin(name: str, target: Any) -> Family:
+    make_task = getattr(target, "make_task", None)
+    family = Family(name, make_task if callable(make_task) else None, target,
+                    int(getattr(target, "heldout_size", 0) or 0))
+    FAMILIES[name] = family
+    return family
+
+
+def _import_target(name: str) -> Any:
+    mod, _, attr = name.partition(":")
+    try:
+        obj: Any = importlib.import_module(mod)
+    except ImportError as e:
+        raise ValueError(f"env.name {name!r}: cannot import {mod} ({e})") from None
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"env.name {name!r}: {mod} has no {attr!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"env.name {name!r}: {attr} is not a class or factory")
+    return obj
+
+
 def get_family(name: str) -> Family:
     if name not in FAMILIES and name in LAZY_FAMILIES:
         importlib.import_module(LAZY_FAMILIES[name])  # registers itself on import
+    if name not in FAMILIES and ":" in name:
+        return _plugin(name, _import_target(name))
     if name not in FAMILIES:
-        known = sorted(set(FAMILIES) | set(LAZY_FAMILIES) | set(MIXES))
-        raise ValueError(f"unknown task family {name!r}; known: {known}")
+        eps = _entry_points()
+        if name in eps:
+            return _plugin(name, eps[name].load())
+        raise ValueError(f"unknown environment {name!r}; choose one of {known_names()} or 'package.module:Class'")
     return FAMILIES[name]
+
+
+def _accepted(factory: Callable[..., Any]) -> set[str] | None:
+    """Option names ``factory(task, chat, **options)`` accepts (None: any, it takes **kwargs)."""
+    params = inspect.signature(factory).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return None
+    return {n for n, p in list(params.items())[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+
+
+def check_env(name: str, options: dict[str, Any], has_data: bool) -> None:
+    """Raise ``ValueError`` (one line, with the valid choices) for a bad name or option."""
+    try:
+        fams = [get_family(n) for n in MIXES.get(name, (name,))]
+    except ValueError as e:
+        raise ValueError(str(e) if str(e).startswith("env.name") else f"env.name: {e}") from None
+    if not has_data and any(f.make_task is None for f in fams):
+        raise ValueError(f"env.name {name!r} takes its prompts from a dataset: set data.train")
+    valid: set[str] = set()
+    for f in fams:
+        acc = _accepted(f.make_env)
+        if acc is None:
+            return
+        valid |= acc
+    bad = sorted(set(options) - valid)
+    if bad:
+        raise ValueError(f"env.options: unknown option(s) {bad} for environment {name!r}; valid: {sorted(valid)}")
+    for f in fams:
+        check = getattr(f.make_env, "check_options", None)
+        if callable(check):
+            check(options)
+
+
+@dataclass
+class Active:
+    """The run's dataset, reward functions and environment options (``activate``)."""
+
+    data: Any = None
+    rewards: Any = None
+    options: dict[str, Any] | None = None
+    split_seed: int = 0  # seeds data.heldout_fraction (the run's seed)
+
+
+ACTIVE = Active()
+
+
+def activate(cfg: Any) -> Active:
+    """Make ``cfg``'s ``[data]``, ``[reward]`` and ``env.options`` the ones sources and envs use.
+
+    Raises ``ValueError`` / ``DataError`` / ``RewardError`` (user errors, one line).
+    """
+    from mixrl.envs.rewards import Rewards
+
+    has_data = cfg.data.train is not None
+    check_env(cfg.env.name, dict(cfg.env.options), has_data)
+    rewards = Rewards(cfg.reward.specs(), cfg.reward.weights) if cfg.reward.specs() else None
+    if cfg.env.name == "dataset" and rewards is None:
+        raise ValueError('env.name "dataset" scores replies with reward functions: set reward.function')
+    ACTIVE.data, ACTIVE.rewards, ACTIVE.options = (cfg.data if has_data else None), rewards, dict(cfg.env.options)
+    ACTIVE.split_seed = cfg.runtime.seed
+    if has_data:
+        from mixrl.data import open_split
+
+        src = open_split(cfg.data, "train", cfg.runtime.seed, cfg.env.name, ACTIVE.split_seed)
+        if rewards is not None:
+            rewards.check_columns(src.columns)
+    return ACTIVE
+
+
+def deactivate() -> None:
+    ACTIVE.data, ACTIVE.rewards, ACTIVE.options = None, None, None
 
 
 class TaskSource:
@@ -104,6 +225,7 @@ class TaskSource:
         if not 0 <= i < self.size:
             raise IndexError(f"TaskSource {self.name}/{self.split}: index {i} outside [0, {self.size})")
         fam = self.parts[i % len(self.parts)]
+        assert fam.make_task is not None  # checked in make_task_source
         return fam.make_task(self.seed, self.split, i // len(self.parts))
 
     def next(self) -> Task:
@@ -127,15 +249,25 @@ class TaskSource:
         self.cursor = int(state["cursor"])
 
 
-def make_task_source(name: str, split: str, seed: int = 0, size: int | None = None) -> TaskSource:
-    """A ``TaskSource`` for a family name or a mix (``"mix"``)."""
+def make_task_source(name: str, split: str, seed: int = 0, size: int | None = None) -> Any:
+    """A ``TaskSource`` for a family name or a mix (``"mix"``); the dataset's rows when one is active."""
+    if ACTIVE.data is not None:
+        from mixrl.data import open_split
+
+        return open_split(ACTIVE.data, split, seed, name, ACTIVE.split_seed)
+    if name not in MIXES and get_family(name).make_task is None:
+        raise ValueError(f"environment {name!r} takes its prompts from a dataset: set data.train")
     return TaskSource(name, split, seed, size)
 
 
 def make_env(task: Task, chat: ChatFormat, **cfg: Any) -> Env:
     """The environment of ``task``'s family; unknown ``cfg`` keys are ignored per family."""
     factory = get_family(task.family).make_env
-    params = inspect.signature(factory).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        cfg = {k: v for k, v in cfg.items() if k in params}
-    return factory(task, chat, **cfg)
+    cfg = {**(ACTIVE.options or {}), **cfg}
+    acc = _accepted(factory)
+    if acc is not None:
+        cfg = {k: v for k, v in cfg.items() if k in acc}
+    env = factory(task, chat, **cfg)
+    if ACTIVE.rewards is not None and getattr(env, "rewards", None) is None:
+        env.rewards = ACTIVE.rewards  # type: ignore[attr-defined]
+    return env

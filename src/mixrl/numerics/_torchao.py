@@ -2,8 +2,10 @@
 
 On a machine without CUDA, importing torchao logs one warning per CUDA
 extension it cannot load and torch logs pytree deprecation notes; none of them
-concern the pure-torch reference code used here, so they are muted during the
-import only (the loggers are restored afterwards).
+concern the pure-torch reference code used here. The extension warnings are
+dropped by a filter on the ``torchao`` logger (installed when this module is
+imported, whoever imports torchao first); the pytree notes are muted during
+the import (the logger's level is restored afterwards).
 """
 
 from __future__ import annotations
@@ -11,6 +13,17 @@ from __future__ import annotations
 import functools
 import logging
 from types import SimpleNamespace
+
+
+class _NoMissingKernels(logging.Filter):
+    """Drop torchao's "Failed to load <extension>.so" warnings (CUDA-only kernels)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not (msg.startswith("Failed to load") and ".so" in msg)
+
+
+logging.getLogger("torchao").addFilter(_NoMissingKernels())
 
 
 @functools.cache

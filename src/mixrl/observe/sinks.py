@@ -1,4 +1,9 @@
-"""Metric sinks: ``metrics.jsonl`` (one JSON object per step) and TensorBoard.
+"""Metric sinks: ``metrics.jsonl`` (one JSON object per step), TensorBoard, W&B, trackio.
+
+W&B (``observe.wandb = {project = "..."}``) and trackio (``observe.trackio =
+{...}``) are optional extras (``pip install 'mixrl[tracking]'``); the table's
+keywords go to their ``init`` (``WANDB_MODE=offline`` works as usual). A
+missing package is a user error naming the extra.
 
 Every record is ``{"step": int, "time": seconds since the run started, ...metrics}``
 with flat, namespaced keys (CORRECTIONS.md §10; per sampler group as
@@ -95,14 +100,60 @@ class TensorBoardSink:
         self._w.close()
 
 
+def _finite(metrics: Mapping[str, Any]) -> dict[str, float]:
+    return {k: float(v) for k, v in metrics.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)}
+
+
+class SinkUnavailable(ValueError):
+    """A configured tracking package is not installed (user error)."""
+
+
+class WandbSink:
+    def __init__(self, run_dir: Path, options: Mapping[str, Any], config: Mapping[str, Any] | None = None):
+        try:
+            import wandb
+        except ImportError:
+            raise SinkUnavailable("observe.wandb: the wandb package is not installed (pip install 'mixrl[tracking]')") from None
+        kw = {"dir": str(run_dir), "config": dict(config or {}), **options}
+        self._run = wandb.init(**kw)
+
+    def write(self, step: int, time_s: float, metrics: Mapping[str, Any]) -> None:
+        self._run.log({**_finite(metrics), "time/elapsed_s": float(time_s)}, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class TrackioSink:
+    def __init__(self, run_dir: Path, options: Mapping[str, Any], config: Mapping[str, Any] | None = None):
+        try:
+            import trackio
+        except ImportError:
+            raise SinkUnavailable("observe.trackio: the trackio package is not installed (pip install 'mixrl[tracking]')") from None
+        self._t = trackio
+        self._run = trackio.init(**{"config": dict(config or {}), **options})
+
+    def write(self, step: int, time_s: float, metrics: Mapping[str, Any]) -> None:
+        self._t.log({**_finite(metrics), "time/elapsed_s": float(time_s)}, step=step)
+
+    def close(self) -> None:
+        self._t.finish()
+
+
 class Sinks:
     """Fan-out to the configured sinks."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, *, wandb: Mapping[str, Any] | None = None,
+                 trackio: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None):
         run_dir = Path(run_dir)
         self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
         if tensorboard:
             self.sinks.append(TensorBoardSink(run_dir / "tb"))
+        if wandb is not None:
+            self.sinks.append(WandbSink(run_dir, wandb, config))
+        if trackio is not None:
+            self.sinks.append(TrackioSink(run_dir, trackio, config))
 
     def write(self, step: int, time_s: float, metrics: Mapping[str, Any]) -> None:
         for s in self.sinks:

@@ -4,8 +4,11 @@
     train(cfg, ...)       run dir, backend, orchestrator, final checkpoint, held-out eval
 
 The run directory receives ``config.toml`` (the resolved config), ``derived.json``,
-``metrics.jsonl``, TensorBoard events under ``tb/``, ``collapse.jsonl``,
-checkpoints, the final policy under ``policy/``, ``eval.json`` and
+``inputs.json`` (the model and data a ``--resume`` must find unchanged),
+``run.log`` (warnings, reward-function tracebacks, internal errors),
+``metrics.jsonl``, TensorBoard events under ``tb/`` (and W&B / trackio when
+configured), ``collapse.jsonl``, ``episodes.jsonl`` (a few decoded sample
+episodes), checkpoints, the final policy under ``policy/``, ``eval.json`` and
 ``summary.json``.
 """
 
@@ -77,14 +80,17 @@ def make_backend(cfg: RunConfig, model_path: str, loss_cfg: Any) -> Any:
 
 
 class _RunSinks:
-    """metrics.jsonl + TensorBoard + collapse events."""
+    """metrics.jsonl + TensorBoard (+ W&B / trackio) + collapse events + sample episodes."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, cfg: RunConfig, run_dir: Path, tokenizer: Any = None):
         from mixrl.observe.sinks import Sinks
 
-        self._s = Sinks(run_dir, tensorboard)
+        o = cfg.observe
+        self._s = Sinks(run_dir, o.tensorboard, wandb=o.wandb, trackio=o.trackio, config=cfg.model_dump(mode="json"))
         self._events = run_dir / "collapse.jsonl"
         self._batches = open(run_dir / "batches.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._episodes = run_dir / "episodes.jsonl"
+        self._tok, self._steps = tokenizer, cfg.runtime.steps
 
     def batch(self, step: int, version: int, groups: list[list[Any]]) -> None:
         """Audit trail: which samples each update trained on (one line per step)."""
@@ -93,6 +99,16 @@ class _RunSinks:
                "samples": [[t.sample_idx for t in g] for g in groups],
                "status": [[t.status for t in g] for g in groups]}
         self._batches.write(json.dumps(rec) + "\n")
+        if self._tok is not None and step in {1, max(1, self._steps // 2), self._steps}:
+            self._sample_episodes(step, groups)
+
+    def _sample_episodes(self, step: int, groups: list[list[Any]]) -> None:
+        """Two decoded episodes (first and best of the first group) for the report."""
+        g = groups[0]
+        best = max(g, key=lambda t: -1.0 if t.reward is None else float(t.reward))
+        with open(self._episodes, "a") as f:
+            for t in dict.fromkeys([g[0], best]):
+                f.write(json.dumps(episode_record(step, t, self._tok), default=float) + "\n")
 
     def write(self, step: int, t: float, m: dict[str, Any]) -> None:
         self._s.write(step, t, m)
@@ -105,6 +121,34 @@ class _RunSinks:
     def close(self) -> None:
         self._s.close()
         self._batches.close()
+
+
+def episode_record(step: int, t: Any, tokenizer: Any) -> dict[str, Any]:
+    """One trajectory as text: prompt, the rest of the episode (replies and tool output), reward."""
+    first = t.loss_mask.index(1) if 1 in t.loss_mask else len(t.tokens)
+    dec = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    return {"step": step, "prompt_id": t.prompt_id, "prompt": dec(t.tokens[:first]),
+            "completion": dec(t.tokens[first:]), "reward": t.reward, "status": t.status,
+            "turns": t.turns, "group": (t.groups[first] if first < len(t.groups) else "")}
+
+
+def start_log(run_dir: Path) -> Path:
+    """Route the ``mixrl`` loggers (and warnings) to ``run_dir/run.log``."""
+    import logging
+
+    path = run_dir / "run.log"
+    root = logging.getLogger("mixrl")
+    for h in list(root.handlers):
+        if getattr(h, "_mixrl_run_log", False):
+            root.removeHandler(h)
+            h.close()
+    h = logging.FileHandler(path)
+    h.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    h._mixrl_run_log = True  # type: ignore[attr-defined]
+    root.addHandler(h)
+    root.setLevel(logging.INFO)
+    root.propagate = False
+    return path
 
 
 def _truncate_jsonl(path: Path, last_step: int) -> None:
@@ -131,30 +175,41 @@ def train(
     """
     import torch
 
+    from mixrl.envs.registry import activate
     from mixrl.models.policy import resolve
     from mixrl.runtime.checkpointing import load
+    from mixrl.runtime.inputs import check_unchanged, describe_inputs
     from mixrl.runtime.orchestrator import Orchestrator
     from mixrl.runtime.progress import ProgressBar
+    from mixrl.runtime.quiet import quiet_loaded, silence_libraries
 
+    silence_libraries()
     torch.set_num_threads(cfg.runtime.torch_threads)
     run_dir = Path(cfg.observe.run_dir)
     payload = load(run_dir) if resume else None
     if resume and payload is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
+    activate(cfg)  # the dataset, reward functions and env options the sources and envs use
+    model_path = str(resolve(cfg.model.path))
+    inputs = describe_inputs(cfg, model_path)
+    if payload is not None:
+        check_unchanged(run_dir, inputs)
     run_dir.mkdir(parents=True, exist_ok=True)
+    start_log(run_dir)
     if payload is not None:
         for name in ("metrics.jsonl", "batches.jsonl"):
             _truncate_jsonl(run_dir / name, int(payload["step"]))
     loss_cfg, derived = resolve_loss(cfg)
-    model_path = str(resolve(cfg.model.path))
     (run_dir / "config.toml").write_text(to_toml(cfg) + "\n")
     (run_dir / "derived.json").write_text(json.dumps({**derived.__dict__, "model_path": model_path}, indent=2) + "\n")
+    (run_dir / "inputs.json").write_text(json.dumps(inputs, indent=2) + "\n")
     profiles = group_profiles(cfg)
     from transformers import AutoTokenizer
 
+    quiet_loaded()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     bar = ProgressBar(cfg.runtime.steps, payload["step"] if payload else 0, cfg.observe.progress if progress is None else progress)
-    sinks = _RunSinks(run_dir, cfg.observe.tensorboard)
+    sinks = _RunSinks(cfg, run_dir, tokenizer)
 
     async def main() -> dict[str, Any]:
         backend = make_backend(cfg, model_path, loss_cfg)
@@ -186,6 +241,9 @@ def train(
     orch = summary.pop("orchestrator")
     summary["wall_s"] = time.perf_counter() - t0
     do_eval = cfg.runtime.eval.enabled if evaluate is None else evaluate
+    if do_eval and cfg.data.train is not None and not (cfg.data.heldout or cfg.data.heldout_fraction):
+        do_eval = False
+        summary["eval_skipped"] = "no held-out data (set data.heldout or data.heldout_fraction)"
     if do_eval and not summary["interrupted"]:
         summary["eval"] = run_eval(cfg, model_path, str(run_dir / "policy"))
         (run_dir / "eval.json").write_text(json.dumps(summary["eval"], indent=2) + "\n")
@@ -201,8 +259,13 @@ def run_eval(cfg: RunConfig, base_path: str, final_path: str) -> dict[str, Any]:
     from mixrl.rollout.evaluate import evaluate
 
     e = cfg.runtime.eval
-    out: dict[str, Any] = {"task": cfg.env.name, "k": e.k, "n": e.n, "n_tasks": e.n_tasks, "seed": e.seed}
-    kw = dict(k=e.k, n=e.n, n_tasks=e.n_tasks, seed=e.seed, task=cfg.env.name,
+    n_tasks = e.n_tasks
+    if cfg.data.train is not None:  # a dataset's held-out split may be smaller than n_tasks
+        from mixrl.envs.registry import make_task_source
+
+        n_tasks = min(n_tasks, len(make_task_source(cfg.env.name, "heldout", e.seed)))
+    out: dict[str, Any] = {"task": cfg.env.name, "k": e.k, "n": e.n, "n_tasks": n_tasks, "seed": e.seed}
+    kw = dict(k=e.k, n=e.n, n_tasks=n_tasks, seed=e.seed, task=cfg.env.name,
               max_total_tokens=cfg.rollout.max_total_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
               temperature=cfg.rollout.temperature, env_options=dict(cfg.env.options))
     t0 = time.perf_counter()
