@@ -66,7 +66,9 @@ class GenerationResult:
     - candidates ``cand_ids[cand_offsets[j]:cand_offsets[j+1]]`` with their log q
       in ``cand_logprobs``: the whole support (``cand_kind == "support"``: every
       token that survived top-k/top-p; the log q there sum to 1 in prob space),
-      or the k most likely tokens (``"head"``), or nothing (``"none"``).
+      or the k most likely tokens (``"head"``), or nothing (``"none"``);
+    - MoE models: ``routed_experts[j]`` [layers][k], the experts each layer routed the
+      position whose logits drew token j to (None when the engine records none).
     """
 
     token_ids: list[int]
@@ -81,9 +83,12 @@ class GenerationResult:
     num_nonfinite: int = 0  # non-finite logits seen (finish_reason == "numerical_error")
     error: str = ""  # human-readable reason when finish_reason is an error status
     timings: dict[str, float] = field(default_factory=dict)
+    routed_experts: list[list[list[int]]] | None = None  # [n][layers][k] (MoE only)
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"GenerationResult.routed_experts has {len(self.routed_experts)} entries for {n} tokens")
         if len(self.logprobs) != n:
             raise ValueError(f"GenerationResult.logprobs has {len(self.logprobs)} entries for {n} tokens")
         if len(self.cand_offsets) != n + 1:

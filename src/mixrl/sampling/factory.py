@@ -4,6 +4,14 @@
 (torch, always available); ``"vllm"`` -> ``VLLMEngine`` from
 ``mixrl.sampling.vllm.engine``, imported only then, since vLLM is an optional
 dependency. Both take the same constructor arguments.
+
+The built-in engine runs any ``AutoModelForCausalLM``: ``forward="auto"`` (default)
+takes the hand-fused Qwen3 fast path where it applies and the generic HF path
+otherwise; ``builtin_forward(model_path)`` says which it would pick, and
+``make_engine(path, "fp32", group, forward="generic")`` forces one. An evaluator
+that needs an engine for any model uses ``make_engine(path, "fp32", group)``.
+A model the chosen engine cannot run is refused before loading
+(``support.check_architecture``), naming the engines that can.
 """
 
 from __future__ import annotations
@@ -21,6 +29,10 @@ def make_engine(model_path: str, profile: Any, group: str, **kw: Any) -> Engine:
 
         profile = get_profile(profile)
     kind = getattr(profile, "engine", None)
+    if kind in ("builtin", "vllm"):
+        from mixrl.sampling.support import check_model
+
+        check_model(model_path, (kind,))
     if kind == "builtin":
         from mixrl.sampling.builtin.engine import BuiltinEngine
 
@@ -35,3 +47,12 @@ def make_engine(model_path: str, profile: Any, group: str, **kw: Any) -> Engine:
             ) from e
         return VLLMEngine(model_path, profile, group, **kw)
     raise ValueError(f"Profile.engine must be 'builtin' or 'vllm', got {kind!r}")
+
+
+def builtin_forward(model_path: str) -> str:
+    """``"fast"`` when the Qwen3 fast path applies to the model at ``model_path``, else ``"generic"``."""
+    from transformers import AutoConfig
+
+    from mixrl.sampling.builtin.fast import applies
+
+    return "fast" if applies(AutoConfig.from_pretrained(model_path)) is None else "generic"

@@ -1,9 +1,14 @@
 """The built-in sampling engine: batched, seeded, precision-emulating decoding in torch.
 
-``BuiltinEngine`` loads an HF causal LM (Qwen3) through ``transformers``, keeps
-its own fake-quantized tensors (``qwen3_forward.build_weights``) and decodes
-with its own incremental forward and KV cache: one prefill over the
-left-padded prompts, then one token per step for the whole batch.
+``BuiltinEngine`` loads any HF causal LM through ``transformers``, keeps its own
+fake-quantized weights and decodes incrementally with a KV cache: one prefill
+over the left-padded prompts, then one token per step for the whole batch.
+Two paths (``forward=``): ``"fast"``, the hand-fused Qwen3 kernels
+(``fast``/``qwen3_forward``), and ``"generic"``, the HF model's own modules with
+the formats applied in place (``generic``); ``"auto"`` (default) takes the fast
+path where it applies (``fast.applies``) and the generic one otherwise.
+MoE models (generic path) also record, per generated token, the top-k experts
+each layer routed the position that produced it to (``routed_experts``).
 
 Per generated token it records the sampled id, ``log q`` under the distribution
 actually sampled from (``sample.sampling_logprobs``) and the candidates that
@@ -34,8 +39,7 @@ from typing import Any
 import torch
 
 from mixrl.sampling.base import Engine, FinishReason, GenerationRequest, GenerationResult
-from mixrl.sampling.builtin import qwen3_forward as qf
-from mixrl.sampling.builtin.kv_cache import KVCache
+from mixrl.sampling.builtin import fast
 from mixrl.sampling.builtin.precision import from_profile
 from mixrl.sampling.builtin.sample import draw, sampling_logprobs
 
@@ -70,7 +74,7 @@ class _Row:
     """Output being built for one request of a running batch."""
 
     __slots__ = ("req", "stops", "limit", "ids", "lps", "offs", "cids", "clps", "finish", "nonfinite", "error",
-                 "stride")  # fmt: skip
+                 "stride", "routes")  # fmt: skip
 
     def __init__(self, req: GenerationRequest, stops: frozenset[int], limit: int) -> None:
         self.req, self.stops, self.limit = req, stops, limit
@@ -83,6 +87,7 @@ class _Row:
         self.nonfinite = 0
         self.error = ""
         self.stride = 0  # V when this row's whole-vocabulary support goes to the batch buffer
+        self.routes: list[list[list[int]]] = []  # MoE: per token [layers][k] experts
 
     def push(self, tok: int, lp: float) -> None:
         self.ids.append(tok)
@@ -95,7 +100,7 @@ class _Row:
 
 
 class BuiltinEngine(Engine):
-    """Torch engine for HF Qwen3 checkpoints in one precision profile (see module doc).
+    """Torch engine for HF causal LMs in one precision profile (see module doc).
 
     Args:
         model_path: HF model directory (config + weights), loaded through transformers.
@@ -108,6 +113,8 @@ class BuiltinEngine(Engine):
             ``max_position_embeddings``).
         num_threads: ``torch.set_num_threads`` for the process (torch is process-wide).
         stop_on_eos: also stop on the model's EOS ids (generation_config, else config).
+        forward: ``"auto"`` | ``"fast"`` (Qwen3 only) | ``"generic"`` (see module doc);
+            ``path_name`` says which one runs.
 
     Rows that finish are dropped from the running batch once a quarter of it has
     finished, so long tails do not pay for finished rows. ``version`` is 0 for the
@@ -125,6 +132,7 @@ class BuiltinEngine(Engine):
         max_context: int | None = None,
         num_threads: int | None = None,
         stop_on_eos: bool = True,
+        forward: str = "auto",
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -134,9 +142,17 @@ class BuiltinEngine(Engine):
             torch.set_num_threads(num_threads)
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        if forward not in ("auto", "fast", "generic"):
+            raise ValueError(f"forward must be 'auto', 'fast' or 'generic', got {forward!r}")
         cfg = AutoConfig.from_pretrained(model_path)
-        self.shape = qf.Shape.from_config(cfg)
-        limit = self.shape.max_positions
+        from mixrl.sampling.support import check_builtin
+
+        check_builtin(cfg)  # an architecture this engine cannot run: one clear error
+        why_not = fast.applies(cfg)
+        if forward == "fast" and why_not:
+            raise ValueError(f"forward='fast' cannot run this model: {why_not}")
+        use_fast = forward == "fast" or (forward == "auto" and why_not is None)
+        limit = int(getattr(cfg, "max_position_embeddings", None) or 1 << 20)
         if max_context is not None and not 2 <= max_context <= limit:
             raise ValueError(
                 f"max_context must be in [2, config.max_position_embeddings={limit}], got {max_context}"
@@ -150,11 +166,19 @@ class BuiltinEngine(Engine):
         self.eos_ids = _eos_ids(model_path, cfg) if stop_on_eos else frozenset()
         self.pad_id = 0  # any in-vocabulary id: padded columns are masked out
         self._seen = 0  # requests seen, for default per-request seeds
-        self._vocab_ids = list(range(self.shape.vocab))  # the support when nothing is truncated
         with torch.inference_mode():
             hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            self._weights = qf.build_weights(hf.state_dict(), self.shape, self.prec, self.max_context, max_batch)
+            if use_fast:
+                self.path: Any = fast.FastPath(cfg, self.prec, self.max_context, max_batch)
+            else:
+                from mixrl.sampling.builtin.generic import GenericPath
+
+                self.path = GenericPath(hf, self.prec)
+            self._weights = self.path.build(hf.state_dict())
         del hf
+        self.path_name = self.path.name
+        self.vocab = self.path.vocab
+        self._vocab_ids = list(range(self.vocab))  # the support when nothing is truncated
         self.version = 0  # the checkpoint at model_path; load_weights sets the trainer's versions
 
     # ------------------------------------------------------------------ weights
@@ -163,7 +187,7 @@ class BuiltinEngine(Engine):
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         with torch.inference_mode():
-            w = qf.build_weights(state_dict, self.shape, self.prec, self.max_context, self.max_batch)
+            w = self.path.build(state_dict)
         self._weights, self.version = w, version  # a running batch keeps its own reference
 
     # --------------------------------------------------------------- generation
@@ -187,7 +211,7 @@ class BuiltinEngine(Engine):
         return [r for r in results if r is not None]
 
     def _check(self, r: GenerationRequest) -> tuple[FinishReason | None, str]:
-        n, V = len(r.prompt_ids), self.shape.vocab
+        n, V = len(r.prompt_ids), self.vocab
         if n == 0:
             return "error", f"request {r.request_id!r}: prompt_ids is empty"
         bad = next((t for t in r.prompt_ids if not (isinstance(t, int) and 0 <= t < V)), None)
@@ -208,7 +232,7 @@ class BuiltinEngine(Engine):
 
     @torch.inference_mode()
     def _run(self, reqs: list[GenerationRequest], seeds: list[int]) -> list[GenerationResult]:
-        w, version, shape, prec = self._weights, self.version, self.shape, self.prec
+        w, version, path, prec, V = self._weights, self.version, self.path, self.prec, self.vocab
         t0 = time.perf_counter()
         B = len(reqs)
         lens = [len(r.prompt_ids) for r in reqs]
@@ -229,26 +253,20 @@ class BuiltinEngine(Engine):
         # step: buffered as a tensor and listed once at the end (far cheaper than per step).
         full = [i for i, r in enumerate(reqs) if r.params.record == "support" and r.params.top_k == 0 and r.params.top_p >= 1]
         buf = None
-        if full and B * N * shape.vocab * 4 <= SUPPORT_BUFFER_BYTES:
-            buf = torch.empty(B, N, shape.vocab)  # [B, N, V] by original row
+        if full and B * N * V * 4 <= SUPPORT_BUFFER_BYTES:
+            buf = torch.empty(B, N, V)  # [B, N, V] by original row
             for i in full:
-                rows[i].stride = shape.vocab
+                rows[i].stride = V
         padded = min(lens) < P
 
         ids = torch.full((B, P), self.pad_id, dtype=torch.long)
         for i, r in enumerate(reqs):
             ids[i, P - lens[i] :] = torch.tensor(r.prompt_ids)
-        col = torch.arange(P)
-        pos = (col[None, :] - start[:, None]).clamp(min=0)  # [B, P]
-        # may attend: real key columns up to the query; padded queries attend to themselves only
-        mask = (col[None, None, :] >= start[:, None, None]) & (col[None, None, :] <= col[None, :, None])
-        mask |= torch.eye(P, dtype=torch.bool)[None]
-        cache = KVCache(shape.layers, B, shape.kv_heads, P + N, shape.head_dim, prec.dtype, prec.kv)
-        hidden = qf.forward(w, shape, prec, cache, ids, pos, 0, mask.unsqueeze(1))  # [B, H]
+        batch, hidden = path.begin(w, ids, start, P + N)  # [B, H]
         t1 = time.perf_counter()
 
         for s in range(N):
-            logits = qf.lm_head(w, prec, hidden)  # [b, V] fp32
+            logits = path.logits(w, hidden)  # [b, V] fp32
             # counted after temperature: finite logits can still overflow at a tiny temperature
             nonfinite = (~torch.isfinite(logits / temp[:, None])).sum(dim=1)  # [b]
             if bool(nonfinite.any()):
@@ -262,6 +280,11 @@ class BuiltinEngine(Engine):
                     row.finish, row.nonfinite = "numerical_error", n_bad
                     row.error = f"{n_bad} non-finite logits at generated token {s} ({prec.describe})"
             self._record(rows, live, logq, keep, buf, s)
+            route = batch.routing()  # [b, layers, k]: the experts of the position that produced these logits
+            if route is not None:
+                for j, r in enumerate(route.tolist()):
+                    if rows[live[j]].finish is None:
+                        rows[live[j]].routes.append(r)
             for j, (t, v) in enumerate(zip(tok.tolist(), lp.tolist(), strict=True)):
                 row = rows[live[j]]
                 if row.finish is None:
@@ -272,17 +295,12 @@ class BuiltinEngine(Engine):
             if len(done) >= max(1, len(live) // 4):  # drop finished rows: less work per step
                 keep_idx = torch.tensor([j for j in range(len(live)) if rows[live[j]].finish is None])
                 live = [live[j] for j in keep_idx.tolist()]
-                cache.keep_rows(keep_idx)
+                batch.keep_rows(keep_idx)
                 L, start, temp, topk, topp, U, tok = (
                     t.index_select(0, keep_idx) for t in (L, start, temp, topk, topp, U, tok)
                 )
                 padded = bool(start.max() > 0)
-            c = P + s  # the column the sampled token is written to
-            bias = None  # additive attention bias hiding left padding, only if a row is padded
-            if padded:
-                pad = torch.arange(c + 1)[None, :] < start[:, None]  # [b, c + 1]
-                bias = torch.zeros(pad.shape, dtype=prec.dtype).masked_fill_(pad, float("-inf"))[:, None, None]
-            hidden = qf.forward(w, shape, prec, cache, tok[:, None], (L + s)[:, None], c, bias)
+            hidden = batch.step(tok, L + s, P + s, start, padded)  # written at column P + s
         t2 = time.perf_counter()
 
         timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "batch_size": float(B)}
@@ -352,4 +370,5 @@ class BuiltinEngine(Engine):
             num_nonfinite=row.nonfinite,
             error=row.error,
             timings=dict(timings),
+            routed_experts=row.routes[: len(row.ids)] if row.routes else None,
         )

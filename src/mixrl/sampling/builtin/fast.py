@@ -1,0 +1,86 @@
+"""The built-in engine's fast path for Qwen3: the hand-fused forward of ``qwen3_forward``.
+
+A *path* is what ``BuiltinEngine`` decodes with. Both paths (this one and
+``generic.GenericPath``) have the same small interface:
+
+- ``build(state_dict)`` -> weights: quantized once, served until the next load;
+- ``begin(w, ids, start, length)`` -> (batch, hidden): prefill of left-padded
+  prompts ``ids`` [B, P] whose first real column is ``start`` [B], with room for
+  ``length`` columns; ``hidden`` [B, H] is the last column's final hidden state;
+- ``batch.step(tok, pos, col, start, padded)`` -> hidden: one token per row
+  (``tok`` [b], RoPE position ``pos`` [b]) written at cache column ``col``;
+- ``batch.keep_rows(idx)``: drop finished rows; ``batch.routing()``: the top-k
+  experts of the last forward's last column ``[b, layers, k]`` (None: no MoE);
+- ``logits(w, hidden)`` -> float32 [b, V].
+
+This path applies only to ``model_type == "qwen3"`` (``applies``); every other
+causal LM runs on the generic path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mixrl.sampling.builtin import qwen3_forward as qf
+from mixrl.sampling.builtin.kv_cache import KVCache
+from mixrl.sampling.builtin.precision import Precision
+
+
+def applies(cfg: Any) -> str | None:
+    """None when the fast path can run ``cfg``, else the reason it cannot."""
+    try:
+        qf.Shape.from_config(cfg)
+    except (ValueError, AttributeError) as e:
+        return str(e)
+    return None
+
+
+class FastPath:
+    name = "qwen3-fast"
+
+    def __init__(self, cfg: Any, prec: Precision, max_context: int | None, max_batch: int) -> None:
+        self.shape = qf.Shape.from_config(cfg)
+        self.prec, self.max_batch = prec, max_batch
+        self.max_positions = self.shape.max_positions
+        self.vocab = self.shape.vocab
+        self.rope_len = max_context or self.max_positions
+
+    def build(self, state_dict: Any) -> qf.Weights:
+        return qf.build_weights(state_dict, self.shape, self.prec, self.rope_len, self.max_batch)
+
+    def begin(self, w: qf.Weights, ids: torch.Tensor, start: torch.Tensor, length: int) -> tuple[Any, torch.Tensor]:
+        B, P = ids.shape
+        shape, prec = self.shape, self.prec
+        col = torch.arange(P)
+        pos = (col[None, :] - start[:, None]).clamp(min=0)  # [B, P]
+        # may attend: real key columns up to the query; padded queries attend to themselves only
+        mask = (col[None, None, :] >= start[:, None, None]) & (col[None, None, :] <= col[None, :, None])
+        mask |= torch.eye(P, dtype=torch.bool)[None]
+        cache = KVCache(shape.layers, B, shape.kv_heads, length, shape.head_dim, prec.dtype, prec.kv)
+        hidden = qf.forward(w, shape, prec, cache, ids, pos, 0, mask.unsqueeze(1))  # [B, H]
+        return _FastBatch(w, shape, prec, cache), hidden
+
+    def logits(self, w: qf.Weights, hidden: torch.Tensor) -> torch.Tensor:
+        return qf.lm_head(w, self.prec, hidden)
+
+
+class _FastBatch:
+    __slots__ = ("w", "shape", "prec", "cache")
+
+    def __init__(self, w: qf.Weights, shape: qf.Shape, prec: Precision, cache: KVCache) -> None:
+        self.w, self.shape, self.prec, self.cache = w, shape, prec, cache
+
+    def step(self, tok: torch.Tensor, pos: torch.Tensor, col: int, start: torch.Tensor, padded: bool) -> torch.Tensor:
+        bias = None  # additive attention bias hiding left padding, only if a row is padded
+        if padded:
+            pad = torch.arange(col + 1)[None, :] < start[:, None]  # [b, col + 1]
+            bias = torch.zeros(pad.shape, dtype=self.prec.dtype).masked_fill_(pad, float("-inf"))[:, None, None]
+        return qf.forward(self.w, self.shape, self.prec, self.cache, tok[:, None], pos[:, None], col, bias)
+
+    def keep_rows(self, idx: torch.Tensor) -> None:
+        self.cache.keep_rows(idx)
+
+    def routing(self) -> None:
+        return None

@@ -1,0 +1,143 @@
+"""The built-in engine's generic path: any ``AutoModelForCausalLM``, formats emulated in place.
+
+The model is the HF model itself, run incrementally through its own modules,
+with the profile applied the way an engine that quantizes on load would:
+
+- weights: every ``nn.Linear`` weight (``lm_head`` only with
+  ``quantize_lm_head``) is fake-quantized once per load through
+  ``numerics.quantize_weight`` in float32 and then cast to the compute dtype;
+  MoE expert banks stored as 3-D tensors ``[E, out, in]`` are quantized expert by
+  expert, so per-tensor scales are per expert as in a real engine;
+- KV cache: ``hf_cache.QuantizedKVCache`` quantizes keys/values on write;
+- activations: a forward pre-hook quantizes the input of every quantized
+  Linear (and of each expert bank's first GEMM) with ``quantize_activation``.
+
+Left padding is an HF ``attention_mask`` with explicit ``position_ids``, so each
+row sees only its own tokens. MoE routers (a module with ``top_k``,
+``num_experts`` and a ``weight``, returning ``(logits, weights, indices)``, as
+Qwen3-MoE's ``Qwen3MoeTopKRouter``) get a forward hook that records the
+selected experts; ``routing()`` returns them for the last column.
+
+Interface: see ``fast`` (both paths are driven by ``BuiltinEngine`` alike).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from mixrl.sampling.builtin.hf_cache import QuantizedKVCache
+from mixrl.sampling.builtin.precision import Precision
+from mixrl.sampling.builtin.qwen3_forward import _clean
+
+
+def is_router(mod: nn.Module) -> bool:
+    return all(hasattr(mod, a) for a in ("top_k", "num_experts", "weight")) and "Router" in type(mod).__name__
+
+
+def is_expert_bank(mod: nn.Module) -> bool:
+    return type(mod).__name__.endswith("Experts") and any(p.dim() == 3 for p in mod.parameters(recurse=False))
+
+
+class GenericPath:
+    name = "generic"
+
+    def __init__(self, model: nn.Module, prec: Precision) -> None:
+        """``model``: the HF causal LM in float32 (its structure and buffers are kept, not its weights)."""
+        self.prec, self.cfg = prec, model.config
+        self.vocab = int(model.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(self.cfg, "max_position_embeddings", 1 << 20))
+        self.tied = bool(getattr(self.cfg.get_text_config(decoder=True), "tie_word_embeddings", False))
+        self._buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+        self._skeleton = copy.deepcopy(model).to("meta")  # structure only: weights come from build()
+        head = model.get_output_embeddings()
+        names = {m: n for n, m in model.named_modules()}
+        self._linear = {f"{names[m]}.weight" for m in model.modules()
+                        if isinstance(m, nn.Linear) and (m is not head or prec.quantize_lm_head)}  # fmt: skip
+        self._banks = {f"{names[m]}.{p}" for m in model.modules() if is_expert_bank(m)
+                       for p, t in m.named_parameters(recurse=False) if t.dim() == 3}  # fmt: skip
+        self.head_name = f"{names[head]}.weight"
+        self.has_moe = any(is_router(m) for m in model.modules())
+        self._routes: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ weights
+    def build(self, state_dict: Mapping[str, Any]) -> nn.Module:
+        sd, dt, prec = _clean(state_dict), self.prec.dtype, self.prec
+        need = self._skeleton.state_dict().keys()
+        out: dict[str, torch.Tensor] = {}
+        for name in need:
+            if name not in sd:
+                if name == self.head_name and self.tied:
+                    continue
+                raise KeyError(f"state_dict has no {name!r} (expected the HF parameter names of {type(self._skeleton).__name__})")
+            w = sd[name].detach().to(torch.float32, copy=True)  # a copy: the trainer updates in place
+            if name in self._linear:
+                w = prec.weight(w)
+            elif name in self._banks:
+                w = torch.stack([prec.weight(w[e]) for e in range(w.shape[0])])
+            out[name] = w.to(dt)
+        m = copy.deepcopy(self._skeleton).to_empty(device="cpu")
+        m.load_state_dict(out, strict=False, assign=True)
+        for n, b in self._buffers.items():  # RoPE tables etc.: not in the state dict
+            mod, _, attr = n.rpartition(".")
+            m.get_submodule(mod).register_buffer(attr, b.clone(), persistent=False)
+        head = m.get_output_embeddings()
+        if self.tied:
+            emb = m.get_input_embeddings().weight
+            head.weight = nn.Parameter(prec.weight(emb.float()).to(dt)) if prec.quantize_lm_head else emb
+        m.eval().requires_grad_(False)
+        self._hook(m)
+        return m
+
+    def _hook(self, m: nn.Module) -> None:
+        act = self.prec.act
+        names = {mod: n for n, mod in m.named_modules()}
+        for mod in m.modules():
+            if act is not None and (f"{names[mod]}.weight" in self._linear or is_expert_bank(mod)):
+                mod.register_forward_pre_hook(lambda _m, a: (act(a[0]), *a[1:]))
+            if is_router(mod):
+                mod.register_forward_hook(lambda _m, _a, o: self._routes.append(o[2].detach()))
+
+    # --------------------------------------------------------------- generation
+    def begin(self, m: nn.Module, ids: torch.Tensor, start: torch.Tensor, length: int) -> tuple[Any, torch.Tensor]:
+        B, P = ids.shape
+        col = torch.arange(P)
+        am = (col[None, :] >= start[:, None]).long()  # [B, P] 1 on real tokens
+        pos = (col[None, :] - start[:, None]).clamp(min=0)
+        batch = _GenericBatch(self, m, QuantizedKVCache(self.prec.kv, self.cfg), am)
+        return batch, batch.forward(ids, pos)
+
+    def logits(self, m: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return m.get_output_embeddings()(hidden).float()
+
+
+class _GenericBatch:
+    def __init__(self, path: GenericPath, m: nn.Module, cache: QuantizedKVCache, am: torch.Tensor) -> None:
+        self.path, self.m, self.cache, self.am = path, m, cache, am
+        self._route: torch.Tensor | None = None
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        routes = self.path._routes
+        routes.clear()
+        out = self.m.base_model(input_ids=ids, attention_mask=self.am, position_ids=pos,
+                                past_key_values=self.cache, use_cache=True)  # fmt: skip
+        if routes:  # per MoE layer [B * T, k] -> the last column's [B, layers, k]
+            B, T = ids.shape
+            self._route = torch.stack([r.view(B, T, -1)[:, -1] for r in routes], dim=1)
+            routes.clear()
+        return out.last_hidden_state[:, -1]  # [B, H]
+
+    def step(self, tok: torch.Tensor, pos: torch.Tensor, col: int, start: torch.Tensor, padded: bool) -> torch.Tensor:
+        self.am = torch.cat([self.am, torch.ones(self.am.shape[0], 1, dtype=self.am.dtype)], dim=1)
+        return self.forward(tok[:, None], pos[:, None])
+
+    def keep_rows(self, idx: torch.Tensor) -> None:
+        self.cache.keep_rows(idx)
+        self.am = self.am.index_select(0, idx)
+
+    def routing(self) -> torch.Tensor | None:
+        return self._route
