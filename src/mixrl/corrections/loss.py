@@ -6,7 +6,9 @@
 ``m_t`` is the validity mask (generated and finite), ``s_t`` the aggregation's
 per-token scale (1/L_i for ``seq_mean_token_mean``, else 1), ``f_seq`` the
 sequence weights/masks, ``g_t`` the objective (section 5) and the bracket's
-second term the centring of section 7.
+second term the centring of section 7. The optional regularizers of section 13
+(KL to the initial policy, entropy bonus) are added over the same tokens, scale
+and D (``mixrl.corrections.regularizers``).
 
 Non-finite inputs (section 4): a position with a NaN/±inf trainer, old or
 sampler log-prob, advantage, or candidate value is a data error. It is
@@ -31,6 +33,7 @@ from mixrl.corrections.centering import candidate_validity, centering_coefficien
 from mixrl.corrections.metrics import collect_mismatch, drop_empty_splits, masked_mean, to_floats
 from mixrl.corrections.objectives import ObjectiveInputs, surrogate
 from mixrl.corrections.ratios import candidate_positions, clamp_log
+from mixrl.corrections.regularizers import regularizer_loss
 from mixrl.corrections.types import LossInputs
 
 if TYPE_CHECKING:
@@ -133,8 +136,17 @@ def compute_loss(
             denom.to(device=total.device, dtype=dt) if isinstance(denom, Tensor) else d_val
         )
 
+    reg_metrics: dict[str, Tensor] = {}
+    if cfg.ref_kl is not None or cfg.entropy_coef > 0:  # section 13; same tokens, scale and D
+        reg_factor = valid.to(dt) if scale is None else valid.to(dt) * scale
+        reg, reg_metrics = regularizer_loss(
+            cfg, lp, inputs.ref_logprobs, inputs.entropy, valid, reg_factor, d_val
+        )
+        loss = loss + reg
+
     with torch.no_grad():
         metrics = collect_mismatch(inputs, valid, clamp)
+        metrics.update(reg_metrics)
         w = beh.weight * valid.to(dt)  # [N] final behaviour weights
         n_valid = valid.sum().clamp_min(1)
         metrics["policy/tv"] = masked_mean(

@@ -42,6 +42,7 @@ class LossInputs:
     # [N] long, trainer version − token version (0 = sampled by the weights being
     # scored); negative = unknown. None: no precision/ vs lag/ split in the metrics.
     staleness: Tensor | None = None
+    ref_logprobs: Tensor | None = None  # [N] log p_ref(y_t) of the initial policy (loss.ref_kl), no grad
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +75,8 @@ class LossInputs:
             _check("group_ids", self.group_ids, (n,), dtype=torch.long)
             if self.group_names is None:
                 raise ValueError("LossInputs.group_names is None but group_ids is given")
+        if self.ref_logprobs is not None:
+            _check("ref_logprobs", self.ref_logprobs, (n,), float_=True)
         if self.staleness is not None:
             _check("staleness", self.staleness, (n,), dtype=torch.long)
         if self.cand_kind not in CAND_KINDS:

@@ -20,6 +20,7 @@ STATUSES: tuple[str, ...] = ("ok", "format_error", "max_turns", "truncated", "in
 # left out of advantages and of the loss, and counted.
 # An agent episode whose code raised, hung or never sampled (``agent_failed``) is one too.
 UNREWARDED: tuple[str, ...] = ("infra_failed", "reward_failed", "agent_failed")
+LOGPROB_TOL = 1e-6  # largest positive log-probability accepted as float rounding
 
 
 @dataclass
@@ -62,6 +63,13 @@ class Trajectory:
             )
         if len(self.cand_ids) != len(self.cand_logprobs):
             raise ValueError("Trajectory.cand_ids and cand_logprobs differ in length")
+        # a log-probability is <= 0; a positive one means a broken sampler record (1e-6: rounding)
+        worst = max((lp for lp, m in zip(self.sampler_logprobs, self.loss_mask, strict=True) if m),
+                    default=0.0)
+        worst = max([worst, *self.cand_logprobs])
+        if worst > LOGPROB_TOL:
+            raise ValueError(f"Trajectory.sampler_logprobs / cand_logprobs has a positive log-probability "
+                             f"({worst:.3g}): log q must be <= 0")
         if self.status not in STATUSES:
             raise ValueError(f"Trajectory.status {self.status!r} is not one of {STATUSES}")
 
