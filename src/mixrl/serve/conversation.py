@@ -151,6 +151,7 @@ class SessionState:
     tools_key: str = ""
     forks: list[Fork] = field(default_factory=list)
     finished: list[Trajectory] = field(default_factory=list)  # earlier segments
+    truncated: bool = False  # a request outgrew the context budget (the model was too long)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 

@@ -63,7 +63,7 @@ class ServeCore:
         self.counts = {"requests": 0, "errors": 0, "generated_tokens": 0}
 
     # -- parameters ------------------------------------------------------------------
-    def _params(self, body: dict[str, Any], prompt_len: int) -> tuple[SamplingParams, int, list[str]]:
+    def _params(self, body: dict[str, Any], prompt_len: int, st: Any = None) -> tuple[SamplingParams, int, list[str]]:
         n = body.get("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 16:
             raise ApiError(400, f"n must be an integer in [1, 16], got {n!r}", param="n")
@@ -75,6 +75,8 @@ class ServeCore:
         max_tokens = int(_num(body, key, self.default_max_tokens, 1, 1 << 20))
         room = self.max_total_tokens - prompt_len
         if room < 1:
+            if st is not None:
+                st.truncated = True
             raise ApiError(400, f"the conversation has {prompt_len} tokens; this endpoint's context is "
                                 f"{self.max_total_tokens}", param="messages", code="context_length_exceeded")
         stop = body.get("stop") or []
@@ -147,7 +149,7 @@ class ServeCore:
                 base = self.sessions.prompt(st, session, messages, tools)
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            params, n, stop = self._params(body, len(base.tokens))
+            params, n, stop = self._params(body, len(base.tokens), st)
             results = await self._choices(session, base, params, n)
             choices, recorded = [], []
             for i, res in enumerate(results):
