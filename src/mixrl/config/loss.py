@@ -222,6 +222,9 @@ class LossConfig(_Strict):
     support_replay: bool = Field(
         default=False, description="trainer log-probs renormalised on the support (section 3)"
     )
+    routing_replay: bool = Field(
+        default=False, description="MoE: the trainer's routers use the sampler's recorded top-k experts"
+    )
     aggregation: Aggregation = Field(
         default="token_mean", description="denominator convention (section 9)"
     )

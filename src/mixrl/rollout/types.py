@@ -36,6 +36,8 @@ class Trajectory:
     cand_offsets: list[int] = field(default_factory=lambda: [0])  # [n_gen + 1]
     cand_ids: list[int] = field(default_factory=list)  # [K] candidates of q, all gen tokens
     cand_logprobs: list[float] = field(default_factory=list)  # [K] log q(v)
+    # MoE: per generated token, [layers][k] experts the sampler routed its predicting position to
+    routed_experts: list[list[list[int]]] | None = None  # [n_gen] or None (not recorded)
     reward: float | None = None  # None until the episode ends (and for UNREWARDED statuses)
     status: str = "ok"  # one of STATUSES
     turns: int = 0  # assistant turns taken
@@ -63,6 +65,8 @@ class Trajectory:
             )
         if len(self.cand_ids) != len(self.cand_logprobs):
             raise ValueError("Trajectory.cand_ids and cand_logprobs differ in length")
+        if self.routed_experts is not None and len(self.routed_experts) != n_gen:
+            raise ValueError(f"Trajectory.routed_experts has length {len(self.routed_experts)}, expected {n_gen}")
         # a log-probability is <= 0; a positive one means a broken sampler record (1e-6: rounding)
         worst = max((lp for lp, m in zip(self.sampler_logprobs, self.loss_mask, strict=True) if m),
                     default=0.0)
