@@ -28,6 +28,13 @@ It is unbounded by default. Sync mode needs nothing special here: the
 orchestrator issues exactly B prompts per update, so every group is taken at
 staleness 0.
 
+Dynamic sampling (``dynamic_sampling=True``, DAPO arXiv 2503.14476 §3.2):
+``take`` first discards every complete group that carries no signal (fewer
+than two rewarded trajectories, or all their rewards equal: every advantage
+would be 0), counting it in ``rollout/dynamic_skipped_groups``; the caller's
+top-up then issues new prompts in its place, so each update still gets B groups
+with signal. Such a group is never requeued (its prompt was sampled fine).
+
 Complete groups are handed out oldest ``seq`` first, which makes the batch
 order independent of completion timing (sync mode is then reproducible).
 Adding a trajectory twice (same prompt and ``sample_idx``) is an error: a
@@ -39,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixrl.rollout.types import Trajectory
+from mixrl.rollout.types import UNREWARDED, Trajectory
 
 
 @dataclass
@@ -50,7 +57,8 @@ class _Entry:
 
 
 class RolloutBuffer:
-    def __init__(self, group_size: int, max_staleness: int | None = None, policy: str = "drop"):
+    def __init__(self, group_size: int, max_staleness: int | None = None, policy: str = "drop",
+                 dynamic_sampling: bool = False):
         if group_size < 1:
             raise ValueError(f"RolloutBuffer.group_size must be >= 1, got {group_size}")
         if max_staleness is not None and max_staleness < 0:
@@ -60,11 +68,12 @@ class RolloutBuffer:
         self.group_size = group_size
         self.max_staleness = max_staleness
         self.policy = policy
+        self.dynamic_sampling = dynamic_sampling
         self._open: dict[str, _Entry] = {}  # prompt_id -> entry still missing trajectories
         self._complete: dict[str, _Entry] = {}  # prompt_id -> entry with G trajectories
         self._requeue: list[dict[str, Any]] = []  # tasks to sample again
         self._seq = 0
-        self.counts = {"dropped_groups": 0, "requeued_groups": 0, "taken_groups": 0}
+        self.counts = {"dropped_groups": 0, "requeued_groups": 0, "taken_groups": 0, "skipped_groups": 0}
 
     # -- producer side -------------------------------------------------------
     def open(self, prompt_id: str, task: dict[str, Any]) -> None:
@@ -124,6 +133,10 @@ class RolloutBuffer:
                 else:
                     self.counts["requeued_groups"] += 1
                     self._requeue.append(e.task)
+        if self.dynamic_sampling:
+            for pid in [p for p, e in self._complete.items() if not _has_signal(e)]:
+                del self._complete[pid]
+                self.counts["skipped_groups"] += 1
         if len(self._complete) < n:
             return None
         pids = sorted(self._complete, key=lambda p: self._complete[p].seq)[:n]
@@ -145,6 +158,8 @@ class RolloutBuffer:
             "rollout/dropped_groups": float(self.counts["dropped_groups"]),
             "rollout/requeued_groups": float(self.counts["requeued_groups"]),
         }
+        if self.dynamic_sampling:
+            metrics["rollout/dynamic_skipped_groups"] = float(self.counts["skipped_groups"])
         return groups, metrics
 
     # -- checkpoint ----------------------------------------------------------
@@ -176,7 +191,8 @@ class RolloutBuffer:
             return out
 
         self._open, self._complete = load(sd["open"]), load(sd["complete"])
-        self._requeue, self._seq, self.counts = list(sd["requeue"]), sd["seq"], dict(sd["counts"])
+        self._requeue, self._seq = list(sd["requeue"]), sd["seq"]
+        self.counts = {"skipped_groups": 0, **sd["counts"]}  # checkpoints from before dynamic sampling
 
 
 def _max_staleness(e: _Entry, trainer_version: int) -> int:
@@ -186,3 +202,10 @@ def _max_staleness(e: _Entry, trainer_version: int) -> int:
             if m:
                 worst = max(worst, trainer_version - v)
     return worst
+
+
+def _has_signal(e: _Entry) -> bool:
+    """At least two rewarded trajectories with different rewards (else every advantage is 0)."""
+    rewards = {t.reward for t in e.trajs.values() if t.reward is not None and t.status not in UNREWARDED}
+    n = sum(t.reward is not None and t.status not in UNREWARDED for t in e.trajs.values())
+    return n >= 2 and len(rewards) > 1

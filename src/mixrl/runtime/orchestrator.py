@@ -30,6 +30,7 @@ from mixrl.envs.base import Task
 from mixrl.fleet.autoscaler import Autoscaler
 from mixrl.fleet.fleet import Fleet, GroupSpec
 from mixrl.fleet.weights import WeightStore
+from mixrl.rollout.advantages import batch_advantages
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.runtime import batch as batchlib
 from mixrl.runtime.handles import Backend, TrainerHandle
@@ -101,7 +102,8 @@ class Orchestrator:
         chat = ChatFormat(self.tokenizer)
         env_opts = dict(cfg.env.options)
         self.task_source = make_task_source(cfg.env.name, "train", seed=cfg.runtime.seed)
-        self.buffer = RolloutBuffer(cfg.rollout.group_size, cfg.runtime.max_staleness, cfg.runtime.staleness_policy)
+        self.buffer = RolloutBuffer(cfg.rollout.group_size, cfg.runtime.max_staleness, cfg.runtime.staleness_policy,
+                                    dynamic_sampling=cfg.rollout.dynamic_sampling)
         params = SamplingParams(
             temperature=cfg.rollout.temperature, top_p=self.derived.top_p,
             max_new_tokens=cfg.rollout.max_new_tokens, record=self.derived.record,
@@ -114,6 +116,7 @@ class Orchestrator:
         )
         self.cost = _cost_model(self.profiles)
         self.monitor = _monitor()
+        self._screen = _screening(self.model_path, self.loss_cfg, cfg)
         if self.resume is not None:
             from mixrl.runtime.checkpointing import restore
 
@@ -172,7 +175,8 @@ class Orchestrator:
                     interrupted = True
                     break
                 t1 = time.perf_counter()
-                trajs, adv, astats = batchlib.advantages(groups, self.loss_cfg)
+                # advantages over what the trainer will train on (malformed left out, overlong handled)
+                trajs, adv, astats = batch_advantages(groups, self.loss_cfg, **self._screen)
                 tmetrics = await self.trainer.step(trajs, adv)
                 t2 = time.perf_counter()
                 new_version = await self.trainer.version()
@@ -278,6 +282,18 @@ def _cost_model(profiles: dict[str, Any]) -> Any:
         print(f"warning: cost model unavailable ({e}); cost/* metrics are skipped")
         return None
     return CostModel.from_profiles(profiles)
+
+
+def _screening(model_path: str, loss_cfg: Any, cfg: RunConfig) -> dict[str, Any]:
+    """Keywords of ``rollout.advantages.batch_advantages`` for this run."""
+    from transformers import AutoConfig
+
+    from mixrl.config.presets import needs
+    from mixrl.runtime.trainer_state import generation_budget
+
+    vocab = int(AutoConfig.from_pretrained(model_path).vocab_size)
+    return {"vocab_size": vocab, "cand_kind": needs(loss_cfg).cand_kind,
+            "overlong": cfg.rollout.overlong, "budget": generation_budget(cfg)}
 
 
 def _monitor() -> Any:
