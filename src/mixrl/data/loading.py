@@ -30,12 +30,22 @@ class DataError(ValueError):
 
 @contextlib.contextmanager
 def _offline() -> Iterator[None]:
+    """Offline for the libraries too: they read the variables once, at import."""
+    import datasets.config
+    import huggingface_hub.constants
+
     keys = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE")
     old = {k: os.environ.get(k) for k in keys}
+    mods = (datasets.config, huggingface_hub.constants)
+    old_attr = [(m, k, getattr(m, k)) for m in mods for k in keys if hasattr(m, k)]
     os.environ.update({k: "1" for k in keys})
+    for m, k, _ in old_attr:
+        setattr(m, k, True)
     try:
         yield
     finally:
+        for m, k, v in old_attr:
+            setattr(m, k, v)
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -75,14 +85,31 @@ def load_rows(spec: str, split: str = "train") -> Any:
             return _pick(ds, split, spec)
         if looks_like_path(spec):
             raise DataError(f"{spec}: no such file or directory")
-        with _offline():
-            ds = datasets.load_dataset(spec, split=split)
-        return ds
+        return _from_hub_cache(spec, split)
     except DataError:
         raise
     except Exception as e:  # datasets raises many types; the user needs the source and the reason
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DataError(f"{spec}: cannot read it as a dataset ({type(e).__name__}: {msg})") from None
+
+
+def _from_hub_cache(spec: str, split: str) -> Any:
+    """A hub id: its snapshot in the hub cache (``hf download``), else the ``datasets`` cache."""
+    import datasets
+    from huggingface_hub import snapshot_download
+
+    with _offline():
+        try:
+            local = snapshot_download(spec, repo_type="dataset", local_files_only=True)
+        except Exception:
+            local = None
+        if local is not None:
+            return _pick(datasets.load_dataset(local), split, spec)
+        try:
+            return datasets.load_dataset(spec, split=split)
+        except (ConnectionError, FileNotFoundError) as e:
+            raise DataError(f"{spec}: not a file or directory, and not a dataset in the local Hugging Face cache "
+                            f"(runs never download; fetch it first with `hf download --repo-type dataset {spec}`)") from e
 
 
 def _pick(ds: Any, split: str, spec: str) -> Any:
