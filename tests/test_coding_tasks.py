@@ -17,9 +17,11 @@ from mixrl.envs.coding.grade import grade_patch, grade_sandbox
 from mixrl.envs.coding.loader import load_tasks, read_instance, split_tasks
 from mixrl.envs.sandbox import Sandbox, SandboxLimits
 
+pytest_plugins = ("sandbox_tables",)  # private_root: each test's own episode root
 pytestmark = [
     pytest.mark.sandbox,
     pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed"),
+    pytest.mark.usefixtures("private_root"),  # every sandbox under its own episode root
 ]
 
 TASKS = load_tasks()

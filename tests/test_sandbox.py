@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -19,13 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
-
-from sandbox_tables import needs_bwrap, private_root, record, register  # noqa: F401 (fixture)
+from sandbox_tables import needs_bwrap, record, register
 
 from mixrl.envs import sandbox as sbmod
 from mixrl.envs.sandbox import DiffError, Sandbox, SandboxError, SandboxLimits
 from mixrl.envs.sandbox import runtime as rtmod
 
+pytest_plugins = ("sandbox_tables",)  # private_root: each test's own episode root
 pytestmark = [pytest.mark.sandbox, needs_bwrap, pytest.mark.usefixtures("private_root")]
 
 

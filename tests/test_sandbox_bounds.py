@@ -10,13 +10,14 @@ import os
 import time
 
 import pytest
-from sandbox_tables import needs_bwrap, private_root, record, register  # noqa: F401 (fixture)
+from sandbox_tables import needs_bwrap, record, register
 
 from mixrl.envs import sandbox as sbmod
 from mixrl.envs.sandbox import Sandbox, SandboxError, SandboxLimits
 from mixrl.envs.sandbox import cgroup as cgmod
 from mixrl.envs.sandbox import fs as fsmod
 
+pytest_plugins = ("sandbox_tables",)  # private_root: each test's own episode root
 pytestmark = [pytest.mark.sandbox, needs_bwrap, pytest.mark.usefixtures("private_root")]
 MiB = 1 << 20
 

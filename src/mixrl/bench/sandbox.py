@@ -3,9 +3,11 @@
 Measures, on a bundled task's repository:
 
 - ``plain``: a plain subprocess (``bash -c true``), the floor;
-- ``episode``: ``Sandbox.create`` + ``run("true")`` + ``close`` (a private
-  copy of the repository, one ``bwrap``, cleanup) — the goal is a median of
-  at most 50 ms;
+- ``episode``: ``Sandbox.create`` + ``run("true")`` + ``close`` (the episode's
+  cgroup, its size- and inode-limited tmpfs with two copies of the repository,
+  one ``bwrap`` under the seccomp filter, cleanup by cgroup kill and unmount) —
+  the goal is a median of at most 50 ms; ``bounds`` says which kernel limits
+  were in place;
 - ``run``: one more ``run("true")`` in an existing sandbox;
 - ``concurrent``: N episodes at once (create, write a file of its own, list
   the work dir, diff, close); ``isolated`` is true iff every episode saw
@@ -23,7 +25,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -95,8 +96,11 @@ async def _concurrent(repo: str, n: int, root: str | None) -> dict[str, Any]:
 async def measure(repeats: int, concurrency: int, task: str, grade: bool, root: str | None = None) -> dict[str, Any]:
     from mixrl.envs.coding.grade import grade_patch
     from mixrl.envs.coding.loader import load_tasks
-    from mixrl.envs.sandbox import Sandbox
+    from mixrl.envs.sandbox import HOST, Sandbox
+    from mixrl.envs.sandbox.cgroup import hierarchy
+    from mixrl.envs.sandbox.seccomp import program
 
+    tree = hierarchy()
     by_id = {t.data["instance_id"]: t for t in load_tasks()}
     if task not in by_id:
         raise ValueError(f"--task {task!r} is not a bundled instance; known: {sorted(by_id)}")
@@ -119,7 +123,9 @@ async def measure(repeats: int, concurrency: int, task: str, grade: bool, root: 
         "overhead_ms": round((statistics.median(episode) - statistics.median(plain)) * 1e3, 2),
         "goal_ms": GOAL_MS, "meets_goal": statistics.median(episode) * 1e3 <= GOAL_MS,
         "concurrent": await _concurrent(repo, concurrency, root), "repeats": repeats, "task": task,
-        "root": root or tempfile.gettempdir(), "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
+        "root": root or HOST.episode_root(), "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
+        "bounds": {"cgroup": f"v{tree.version}:{','.join(tree.controllers)}", "tmpfs": True,
+                   "seccomp": len(program()) // 8},  # seccomp: instructions in the filter
     }
     if grade:
         t = time.perf_counter()

@@ -19,8 +19,12 @@ Rules (the shared ones are in ``envs/turns.py``; call syntax in ``tools.py``):
   replies in a row end with ``format_error``, ``max_turns`` replies without a
   submit with ``max_turns`` (reward 0; with ``grade_on_max_turns`` the work
   is graded instead, status still ``max_turns``);
-- a command that leaves /testbed over its disk limit ends the episode (status
-  ``ok``, reward 0, ``info["reason"] = "disk"``);
+- a command that fills the episode's filesystem (bytes or inodes) ends the
+  episode (status ``ok``, reward 0, ``info["reason"] = "disk"``);
+- what the model does to its own tree or commands (``chmod 000 /testbed``, a
+  200 KB command, a path past PATH_MAX, a diff it makes impossible) is a tool
+  result or a reward of 0, never ``infra_failed``; tool output is encoded as
+  untrusted text (no special-token id can come from it, ``envs/untrusted.py``);
 - our failures (no bwrap, a sandbox that does not start, a grading runner
   that does not start) end with ``infra_failed`` and reward ``None``; a
   sandbox that cannot be created at ``reset`` raises, which the session
@@ -41,6 +45,7 @@ from mixrl.envs.coding.grade import GradeResult, grade_sandbox
 from mixrl.envs.coding.tools import Malformed, parse_tool_call
 from mixrl.envs.sandbox import ExecResult, Sandbox, SandboxError, SandboxLimits
 from mixrl.envs.turns import TurnTracker
+from mixrl.envs.untrusted import strip_control
 
 SYSTEM = (
     "You are fixing a bug in a Python repository at /testbed. Run shell commands with "
@@ -136,7 +141,7 @@ class CodingEnv(Env):
                 return await self._grade(close, status, {"action": "max_turns"})
             return StepResult(close, True, 0.0, status, malformed=malformed)
         except SandboxError as e:
-            return StepResult(close, True, None, "infra_failed", info={"error": f"sandbox: {e}"})
+            return StepResult(close, True, None, "infra_failed", info={"error": strip_control(f"sandbox: {e}")})
 
     async def close(self) -> None:
         if self.sandbox is not None:

@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.envs.sandbox import DiffError, Sandbox, SandboxError, SandboxLimits
+from mixrl.envs.untrusted import strip_control
 
 RUNNER = Path(__file__).with_name("pytest_runner.py")
 GRADE_LIMITS = SandboxLimits(cpu_seconds=60, wall_seconds=120.0, output_bytes=64 << 10)
@@ -64,7 +65,11 @@ class GradeResult:
     tests: dict[str, str] = field(default_factory=dict)  # nodeid -> passed|failed|error|skipped|...
     failed: list[str] = field(default_factory=list)  # required tests that did not pass
     reason: str = ""  # why 0 without test results: patch_failed, diff_error, timeout, crashed
-    output: str = ""  # tail of the runner's output, for logs
+    output: str = ""  # tail of the runner's output, for logs (control characters stripped)
+
+    def __post_init__(self) -> None:
+        self.output = strip_control(self.output)
+        self.failed = [strip_control(t) for t in self.failed]
 
 
 def _read_results(path: str) -> dict[str, Any] | None:

@@ -29,6 +29,7 @@ Imports nothing from mixrl: it runs on the bare interpreter of the sandbox.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fnmatch
 import json
@@ -139,10 +140,8 @@ def fold(reports: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def _no_dump() -> None:
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
-    except (OSError, AttributeError):
-        pass
 
 
 def parent(argv: list[str]) -> int:

@@ -61,7 +61,14 @@ result instead.
 
 from mixrl.envs.sandbox.core import SANDBOX_UID, Sandbox
 from mixrl.envs.sandbox.fs import FAILURES
-from mixrl.envs.sandbox.limits import HOST, DiffError, ExecResult, SandboxError, SandboxLimits, configure
+from mixrl.envs.sandbox.limits import (
+           HOST,
+           DiffError,
+           ExecResult,
+           SandboxError,
+           SandboxLimits,
+           configure,
+)
 from mixrl.envs.sandbox.runtime import INNER_UID, PYSITE, WORKDIR
 from mixrl.envs.sandbox.treediff import DIFF_EXCLUDES
 

@@ -23,6 +23,7 @@ every pid SIGKILLed until the list stays empty (``pids.max`` bounds how many can
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import os
 import secrets
@@ -107,10 +108,8 @@ class Cgroup:
                 except OSError:
                     self.kill_file = None
             for p in pids:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(p, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
             if time.monotonic() > end:
                 return not self.pids()
             time.sleep(0.001)
@@ -232,10 +231,8 @@ class Hierarchy:
         """Remove the parent directories (at exit; a parent with episodes left stays)."""
         with self._lock:
             for d in self._all:
-                try:
+                with contextlib.suppress(OSError):
                     os.rmdir(d)
-                except OSError:
-                    pass
             self._all, self._parent = [], {}
 
 
@@ -282,7 +279,7 @@ def hierarchy() -> Hierarchy:
     h = _v2(mounts, own)
     if h is not None:
         return h
-    bases = {}
+    bases: dict[str, str] = {}
     for mnt, fstype, opts in mounts:
         for c in ("memory", "pids", "cpu"):
             if fstype == "cgroup" and c in opts and c in own and c not in bases:

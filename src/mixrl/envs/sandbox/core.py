@@ -81,7 +81,7 @@ class Sandbox:
     async def _exec(self, inner: list[str], binds: list[tuple[str, str, bool]], cwd: str, timeout: float,
                     cap: int, stdin: bytes | None = None, watch_disk: bool = False) -> ExecResult:
         """Run ``inner`` in a fresh sandbox; raises ``SandboxError`` if bwrap could not start it."""
-        self.fs.restore_work_mode(self.uid)
+        self.fs.restore_work_mode()
         opts = bwrap_options(self.limits, binds, cwd)
         rfd, wfd = os.pipe()  # bwrap's JSON status (child pid, namespaces, exit code)
         args_r, args_w = os.pipe()  # bwrap's options, NUL-separated

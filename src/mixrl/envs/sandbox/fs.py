@@ -139,9 +139,10 @@ class EpisodeFS:
         os.chmod(p, mode)
         return p
 
-    def restore_work_mode(self, uid: int | None) -> None:
-        """The model may ``chmod 000 /testbed``; its own directory, so we put it back."""
-        os.chmod(self.work, 0o755, follow_symlinks=False)
+    def restore_work_mode(self) -> None:
+        """The model may ``chmod 000 /testbed``; we put it back. ``work`` itself cannot be a
+        link: it sits in the tmpfs root, which only we can write (mode 0711, ours)."""
+        os.chmod(self.work, 0o755)
 
     def full(self) -> bool:
         """No free block or inode left on the episode's tmpfs (O(1), no walk)."""

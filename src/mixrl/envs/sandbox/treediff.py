@@ -18,6 +18,7 @@ MAX_PATH = 3800  # longer relative paths are left out (diff and patch need them 
 
 TREEDIFF = r"""
 import fnmatch, os, stat, subprocess, sys
+MAX_PATH = {max_path}
 pats = sys.argv[1].split(",")
 def skip(n):
     return any(fnmatch.fnmatch(n, p) for p in pats)
@@ -31,7 +32,7 @@ def files(root):
         except OSError:
             continue
         for e in entries:
-            if skip(e.name) or len(e.path) > %d:
+            if skip(e.name) or len(e.path) > MAX_PATH:
                 continue
             try:
                 st = e.stat(follow_symlinks=False)
@@ -60,4 +61,4 @@ for rel in sorted(set(a) | set(b)):
     sys.stdout.flush()
     subprocess.run(["diff", "-u", "--label", "a/" + rel, "--label", "b/" + rel,
                     a.get(rel, "/dev/null"), b.get(rel, "/dev/null")], stderr=subprocess.DEVNULL)
-""" % MAX_PATH
+""".replace("{max_path}", str(MAX_PATH))
