@@ -12,21 +12,29 @@ in-process; only the handles differ:
   which the handle turns into ``ReplicaFailure`` so the fleet's failover path
   takes over.
 
-``start`` joins ``runtime.ray.address`` or ``$RAY_ADDRESS`` when set, else
-starts a local cluster (no dashboard, a private temporary directory,
-``RAY_AUTH_MODE=disabled``).
+Authentication: every cluster runs with Ray's token authentication
+(``RAY_AUTH_MODE=token``); mixrl never opts out. ``start`` joins
+``runtime.ray.address`` or ``$RAY_ADDRESS`` when set, with the token from
+``$RAY_AUTH_TOKEN``, the file ``$RAY_AUTH_TOKEN_PATH`` or Ray's default
+``~/.ray/auth_token``; the token is checked against the cluster's GCS first
+(one gRPC call with a deadline), so a missing or wrong token is one clear
+``RayAuthError`` line instead of Ray's ~20 s of reconnect warnings. Without
+an address it starts a local cluster: token auth on (Ray generates the token
+into ``~/.ray/auth_token`` when none exists), no dashboard, a private
+temporary directory.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from mixrl.config.run import RunConfig
+from mixrl.config.run import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.rollout.types import Trajectory
 from mixrl.runtime.handles import Backend, TrainerHandle
@@ -88,6 +96,61 @@ class TrainerActor:
         from mixrl.runtime.trainer_state import save_policy
 
         save_policy(self.trainer, self.tokenizer, out_dir)
+
+
+class RayAuthError(ConfigError):
+    """The cluster cannot be joined with the token at hand (one line, names the variables)."""
+
+
+_TOKEN_VARS = "RAY_AUTH_TOKEN (the token) or RAY_AUTH_TOKEN_PATH (a file holding it)"
+_HOST_PORT = re.compile(r"^\[?[A-Za-z0-9.:-]+\]?:\d+$")
+
+
+def _require_token_mode() -> None:
+    """Token auth on for this process and every process it starts (raylets, workers)."""
+    from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    mode = os.environ.get(AUTH_MODE_ENV_VAR, "token").lower()
+    if mode != "token":
+        raise RayAuthError(f"{AUTH_MODE_ENV_VAR}={mode!r}: mixrl runs Ray only with token "
+                           f"authentication; unset it or set {AUTH_MODE_ENV_VAR}=token")
+    os.environ[AUTH_MODE_ENV_VAR] = "token"
+    Config.initialize("")  # Ray caches its config: re-read the mode from the environment
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def check_cluster_token(address: str, timeout_s: float = 10.0) -> None:
+    """Ask the GCS at ``address`` to accept this process's token; ``RayAuthError`` if it does not.
+
+    One unary call (``GetClusterId``) with a deadline: an unreachable address or a
+    refused token is reported at once. Addresses that are not ``host:port``
+    (``auto``, ``ray://``) are left to Ray.
+    """
+    import grpc
+    from ray._raylet import AuthenticationTokenLoader
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    loader = AuthenticationTokenLoader.instance()
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if not os.environ.get("RAY_AUTH_TOKEN") and path and not os.path.isfile(path):
+        raise RayAuthError(f"joining the Ray cluster at {address}: RAY_AUTH_TOKEN_PATH={path} is not a file; "
+                           f"set {_TOKEN_VARS}")
+    if not loader.has_token(ignore_auth_mode=True):
+        raise RayAuthError(f"joining the Ray cluster at {address} needs its auth token: set {_TOKEN_VARS}")
+    if not _HOST_PORT.match(address):
+        return
+    metadata = list(loader.get_token_for_http_header().items())
+    with grpc.insecure_channel(address) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                raise RayAuthError(f"the Ray cluster at {address} refused the auth token: set {_TOKEN_VARS} "
+                                   "to the cluster's token") from None
+            raise RayAuthError(f"the Ray cluster at {address} did not answer within {timeout_s:g} s "
+                               f"({e.code().name}): check runtime.ray.address / RAY_ADDRESS") from None
 
 
 def _replica_error(e: BaseException, name: str) -> BaseException:
@@ -159,8 +222,9 @@ class RayBackend(Backend):
         if ray.is_initialized():
             return
         address = self.cfg.runtime.ray.address or os.environ.get("RAY_ADDRESS")
-        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        _require_token_mode()
         if address:
+            check_cluster_token(address)
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         else:
             tmp = tempfile.mkdtemp(prefix="mixrl-ray-")
