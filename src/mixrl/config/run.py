@@ -40,7 +40,8 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The policy that is trained and served."""
 
-    path: str = Field(default="bundled", min_length=1, description='"bundled" (the small bundled policy) or a HF model directory')
+    path: str = Field(default="bundled", min_length=1, description='"bundled" (the small bundled policy), a HF model directory, or a hub id in the local HF cache')
+    chat_template: str | None = Field(default=None, min_length=1, description="Jinja chat template file used instead of the tokenizer's own (needed when it has none)")
 
 
 class EnvConfig(_Section):
@@ -165,6 +166,9 @@ class OptimConfig(_Section):
     precision: Literal["fp32", "bf16"] = Field(default="fp32", description="trainer precision (fp32 on CPU)")
     epochs: int = Field(default=1, ge=1, le=64, description="optimizer passes over each batch (PPO epochs)")
     minibatches: int = Field(default=1, ge=1, le=4096, description="optimizer steps per epoch")
+    micro_batch_tokens: int = Field(default=16384, ge=16, le=1 << 26, description="token budget of one forward/backward (rows x row length, padding included): bounds trainer activation memory whatever the batch size")
+    forward_micro_batch_tokens: int | None = Field(default=None, ge=16, le=1 << 26, description="token budget of the no-grad pass that fixes old log-probs (epochs * minibatches > 1); None = micro_batch_tokens")
+    packing: bool = Field(default=True, description="pack several trajectories per row (own position ids, no attention across them) instead of padding each to the longest")
     schedule: Literal["constant", "linear", "cosine"] = Field(default="constant", description="learning-rate schedule over runtime.steps, after warm-up")
     warmup_steps: int = Field(default=0, ge=0, le=1 << 24, description="updates of linear warm-up from 0 to lr")
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1.0, description="linear/cosine: lr at the last update as a fraction of lr")
@@ -197,7 +201,8 @@ class EvalConfig(_Section):
 class RuntimeConfig(_Section):
     """The orchestrator: backend, scheduling mode, length, checkpoints."""
 
-    backend: Literal["inprocess", "ray"] = Field(default="inprocess", description="how handles are made")
+    backend: Literal["embedded", "inprocess", "ray"] = Field(default="embedded", description='how handles are made: "embedded" (one machine; "inprocess" is its former name) or "ray"')
+    sampler_workers: Literal["process", "thread"] = Field(default="process", description="embedded backend: sampler replicas as worker processes, or as threads of the orchestrator (reproducible schedule, for tests)")
     mode: Literal["async", "sync"] = Field(default="async", description="async: samplers never wait; sync: samplers wait for every update")
     max_staleness: int | None = Field(default=None, ge=0, le=1 << 20, description="bound on trainer version - token version; None = unbounded")
     staleness_policy: Literal["drop", "requeue"] = Field(default="drop", description="what happens to a group beyond max_staleness")
@@ -367,6 +372,7 @@ def build_config(tree: dict[str, Any], overrides: list[str] = ()) -> RunConfig: 
     """Validate a raw dict after applying overrides; raise ``ConfigError`` naming the fields."""
     tree = _deepcopy(tree)
     defaults = RunConfig().model_dump(mode="json")
+    defaults["env"].pop("name")  # --set env.options=... must not pin env.name (it follows [data])
     for o in overrides:
         apply_override(tree, o, defaults)
     try:
