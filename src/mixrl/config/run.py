@@ -100,6 +100,10 @@ class GroupConfig(_Section):
     min_replicas: int = Field(default=0, ge=0, le=256, description="autoscaler lower bound")
     max_replicas: int = Field(default=4, ge=1, le=256, description="autoscaler upper bound")
     overrides: dict[str, Any] = Field(default_factory=dict, description="profile fields to override (with_overrides), e.g. compute_dtype")
+    accelerator_type: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="Ray: place replicas only on nodes of this accelerator type (H100, H200, B200, A100, ...); None = any node")
+    num_gpus: float = Field(default=0.0, ge=0, le=64, description="Ray: GPUs reserved per replica")
+    num_cpus: float = Field(default=1.0, ge=0, le=1024, description="Ray: CPUs reserved per replica")
+    memory_gb: float = Field(default=0.0, ge=0, le=1 << 16, description="Ray: memory reserved per replica, GiB (0 = none)")
 
     @model_validator(mode="after")
     def _bounds(self) -> GroupConfig:
@@ -172,6 +176,27 @@ class OptimConfig(_Section):
     schedule: Literal["constant", "linear", "cosine"] = Field(default="constant", description="learning-rate schedule over runtime.steps, after warm-up")
     warmup_steps: int = Field(default=0, ge=0, le=1 << 24, description="updates of linear warm-up from 0 to lr")
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1.0, description="linear/cosine: lr at the last update as a fraction of lr")
+
+
+class LoraConfig(_Section):
+    """LoRA adapters (peft): only the adapters train and checkpoint; samplers get merged weights."""
+
+    rank: int = Field(default=16, ge=1, le=4096, description="adapter rank r")
+    alpha: float = Field(default=32.0, gt=0, le=1e6, description="scaling numerator: the update is (alpha / r) B A")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapter input")
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, description="module names that get adapters (peft target_modules)")
+
+
+class TrainerConfig(_Section):
+    """Trainer ranks (FSDP2), their resources on Ray, and LoRA."""
+
+    world_size: int = Field(default=1, ge=1, le=1024, description="trainer ranks; > 1 shards parameters, gradients and optimizer state with FSDP2 (gloo on CPU, NCCL on GPU)")
+    reduce_dtype: Literal["fp32", "bf16"] = Field(default="fp32", description="FSDP2 gradient reduction dtype (the parameter dtype is optim.precision)")
+    accelerator_type: str | None = Field(default=None, min_length=1, pattern=r"^[A-Za-z0-9._-]+$", description="Ray: place ranks only on nodes of this accelerator type; None = any node")
+    num_gpus: float = Field(default=0.0, ge=0, le=64, description="Ray: GPUs reserved per rank (> 0: the rank trains on CUDA)")
+    num_cpus: float = Field(default=1.0, ge=0, le=1024, description="Ray: CPUs reserved per rank")
+    memory_gb: float = Field(default=0.0, ge=0, le=1 << 16, description="Ray: memory reserved per rank, GiB (0 = none)")
+    lora: LoraConfig | None = Field(default=None, description="[trainer.lora]: train LoRA adapters instead of all weights; None = full fine-tuning")
 
 
 class RayConfig(_Section):
@@ -275,6 +300,7 @@ class RunConfig(_Section):
     fleet: FleetConfig = Field(default_factory=FleetConfig)
     loss: LossSection = Field(default_factory=lambda: LossSection())
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig())
+    trainer: TrainerConfig = Field(default_factory=lambda: TrainerConfig())
     runtime: RuntimeConfig = Field(default_factory=lambda: RuntimeConfig())
     observe: ObserveConfig = Field(default_factory=lambda: ObserveConfig())
     data: DataConfig = Field(default_factory=lambda: DataConfig())
