@@ -6,6 +6,9 @@ once, also without ``-s``. ``private_root`` gives each test its own episode root
 afterwards, that every episode was removed, that no cleanup failed, and that neither the
 root's parent nor the system temp dir changed mode: a failing test can never damage the
 host's shared temporary directory.
+
+(PYTEST_DONT_REWRITE: the test modules import this before pytest loads it as a plugin; its
+assertions carry their own messages.)
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ Layout: the parent ``mixrl-<pid>-<token>`` sits under the cgroup this process is
 from ``/proc/self/cgroup``, so several trainers on one host never share one) and holds the
 cap over all episodes at once (``HostConfig.total_memory``); each episode's cgroup holds
 its own caps: ``memory`` (processes and the files of its tmpfs, which are charged to the
-writer's cgroup), ``pids`` (``max_procs`` plus bwrap's two), ``cpu`` quota (``cpus``).
+writer's cgroup), ``pids`` (``max_procs`` plus bwrap's two), ``cpu`` quota (``cpus``). The
+parent's CPU weight is one busy task per core: under contention all episodes together
+weigh like that many tasks (with the default weight they would weigh like one).
 
 Which kernel interface: cgroup v2 when its mount lists ``memory`` and ``pids`` in our
 cgroup's ``cgroup.controllers`` and they can be enabled for the parent's children; else v1
@@ -164,8 +166,12 @@ class Hierarchy:
                 _write(os.path.join(parents[""], "memory.max"), str(cap))
                 if os.path.exists(os.path.join(parents[""], "memory.swap.max")):
                     _write(os.path.join(parents[""], "memory.swap.max"), "0")
+                if os.path.exists(os.path.join(parents[""], "cpu.weight")):
+                    _write(os.path.join(parents[""], "cpu.weight"), str(min(10_000, 100 * (os.cpu_count() or 1))))
             else:
                 _set_v1_memory(parents["memory"], cap)
+                if "cpu" in parents:
+                    _write(os.path.join(parents["cpu"], "cpu.shares"), str(1024 * (os.cpu_count() or 1)))
             self._parent, self._cap = parents, cap
             return parents
 
