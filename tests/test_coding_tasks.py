@@ -219,3 +219,29 @@ def test_import_hooks_in_a_raw_patch_earn_0():
                   g.reason or f"{len(g.failed)} required failed", "applied (not a patch failure)"))
     assert g.reason != "patch_failed", g.output
     assert g.reward == 0.0 and g.failed == data["FAIL_TO_PASS"], (g.tests, g.output[-500:])
+
+
+def test_results_dir_is_bounded(monkeypatch):  # type: ignore[no-untyped-def]
+    """Library code filling the grader's results directory (320 MB once reached the host's
+    disk): it is on the grading sandbox's tmpfs now, so writing stops at its size."""
+    junk = ("import os\n"
+            "try:\n"
+            "    for i in range(320):\n"
+            "        with open('/results/junk%d' % i, 'wb') as f:\n"
+            "            f.write(b'x' * (1 << 20))\n"
+            "except OSError:\n"
+            "    pass\n")
+    used: list[int] = []
+    close = Sandbox.close
+
+    async def measured_close(self):  # type: ignore[no-untyped-def]
+        if not self.closed:
+            used.append(self.fs.used()[0])  # what the episode's tmpfs held at the end
+        await close(self)
+
+    monkeypatch.setattr(Sandbox, "close", measured_close)
+    lim = SandboxLimits(cpu_seconds=10, wall_seconds=20.0, disk_bytes=16 << 20, file_size_bytes=64 << 20)
+    g, _ = asyncio.run(_hack(_write("textkit/__init__.py", junk), False, lim))
+    HACKS.append(("library fills the results directory", g.reward, g.reason or f"{len(g.failed)} required failed",
+                  f"grading tmpfs held {max(used) >> 20} MiB (limit 16 MiB + snapshot)"))
+    assert g.reward == 0.0 and len(used) == 2 and max(used) < 20 << 20, used
