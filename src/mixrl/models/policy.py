@@ -1,13 +1,18 @@
 """The bundled small policy: a tiny Qwen3 warm-started on the bundled tasks.
 
-    model, tok = load_policy("bundled")          # builds it on first use (see pretrain.py)
+    model, tok = load_policy("bundled")          # the copy shipped in the package
     model, tok = load_policy("/path/to/hf_dir")  # any local HF causal-LM directory
 
-``bundled_policy_path()`` is a cache: ``$MIXRL_HOME/policy-<hash>`` (default
-``~/.cache/mixrl``) where the hash covers the whole pretraining recipe, so a
-changed recipe never reuses a stale model. The first caller builds it under
-a file lock (concurrent workers wait instead of training twice) and the
-directory appears atomically (written aside, then renamed).
+The bundled policy ships inside the package (``mixrl/models/bundled/``:
+safetensors, config, tokenizer with its chat template, and ``recipe.json``
+with the recipe and the digest of the weights it built), so nothing is
+trained on first use. ``mixrl pretrain`` rebuilds it from the recipe.
+
+Another seed (``bundled_policy_path(seed=1)``), or a recipe that no longer
+matches the shipped copy, is built into a cache: ``$MIXRL_HOME/policy-<hash>``
+(default ``~/.cache/mixrl``) where the hash covers the whole recipe, under a
+file lock (concurrent workers wait instead of training twice); the directory
+appears atomically (written aside, then renamed).
 """
 
 from __future__ import annotations
@@ -66,11 +71,28 @@ def tiny_config(vocab_size: int, **overrides: Any) -> Any:
     return qwen3_config(vocab_size, **kw)
 
 
+SHIPPED = Path(__file__).resolve().parent / "bundled"
+
+
+def shipped_recipe() -> dict[str, Any] | None:
+    """``recipe.json`` of the policy shipped in the package (None if it is absent)."""
+    import json
+
+    meta = SHIPPED / "recipe.json"
+    if not (meta.is_file() and (SHIPPED / "model.safetensors").is_file()):
+        return None
+    return dict(json.loads(meta.read_text()))
+
+
 def bundled_policy_path(data_dir: str | Path | None = None, seed: int = 0) -> Path:
-    """Directory of the bundled policy for ``seed``; pretrains it if missing."""
+    """Directory of the bundled policy for ``seed``: the shipped copy when it is that
+    recipe's, else a cached build (pretrained on first use)."""
     from mixrl.models import pretrain
 
     recipe = pretrain.Recipe(seed=seed)
+    shipped = shipped_recipe()
+    if shipped is not None and shipped.get("digest") == recipe.digest():
+        return SHIPPED
     out = mixrl_home(data_dir) / f"policy-{recipe.digest()}"
     if not (out / "recipe.json").exists():
         build_locked(recipe, out)
@@ -91,16 +113,11 @@ def build_locked(recipe: Any, out: Path, force: bool = False) -> bool:
 
 
 def resolve(path_or_bundled: str | Path) -> Path:
-    """``"bundled"`` -> the bundled policy's directory; otherwise the path, checked."""
-    if str(path_or_bundled) == BUNDLED:
-        return bundled_policy_path()
-    p = Path(path_or_bundled)
-    if not (p / "config.json").exists():
-        raise FileNotFoundError(
-            f"policy path {str(p)!r} is not an HF model directory (no config.json); "
-            f"name a saved model or {BUNDLED!r}"
-        )
-    return p
+    """``"bundled"`` -> the bundled policy's directory; a local HF directory; or a hub id
+    found in the local HF cache (``mixrl.models.loading.resolve_model``; raises ``ConfigError``)."""
+    from mixrl.models.loading import resolve_model
+
+    return resolve_model(path_or_bundled)
 
 
 def load_policy(path_or_bundled: str | Path = BUNDLED, dtype: Any = None) -> tuple[Any, Any]:

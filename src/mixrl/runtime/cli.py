@@ -125,11 +125,14 @@ def main(args: argparse.Namespace) -> int:
         loss_cfg, derived = resolve_loss(cfg)
         group_profiles(cfg)
         activate(cfg)
+        from mixrl.models.loading import check_model
+
+        model_dir = check_model(cfg.model.path, cfg.model.chat_template)  # resolves, names what is missing
     except (ConfigError, DataError, RewardError, ValueError) as e:
         return _fail("invalid config: " + "; ".join(str(e).splitlines()))
     if args.dry_run:
         _print_safely("# mixrl train: resolved config (--dry-run)\n" + to_toml(cfg) + "\n\n# derived (not settable)\n"
-                      f"# {json.dumps(derived.__dict__)}\n# loss = {loss_cfg.model_dump_json()}")
+                      f"# {json.dumps(derived.__dict__)}\n# loss = {loss_cfg.model_dump_json()}\n# model = {model_dir}")
         return 0
     run_dir = Path(cfg.observe.run_dir)
     problem = _check_run_dir(run_dir, bool(args.resume), args.overwrite)

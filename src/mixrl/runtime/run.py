@@ -176,7 +176,6 @@ def train(
     import torch
 
     from mixrl.envs.registry import activate
-    from mixrl.models.policy import resolve
     from mixrl.runtime.checkpointing import load
     from mixrl.runtime.inputs import check_unchanged, describe_inputs
     from mixrl.runtime.orchestrator import Orchestrator
@@ -190,7 +189,9 @@ def train(
     if resume and payload is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
     activate(cfg)  # the dataset, reward functions and env options the sources and envs use
-    model_path = str(resolve(cfg.model.path))
+    from mixrl.models.loading import check_model, load_tokenizer
+
+    model_path = str(check_model(cfg.model.path, cfg.model.chat_template))  # ConfigError before any run dir
     inputs = describe_inputs(cfg, model_path)
     if payload is not None:
         check_unchanged(run_dir, inputs)
@@ -204,10 +205,8 @@ def train(
     (run_dir / "derived.json").write_text(json.dumps({**derived.__dict__, "model_path": model_path}, indent=2) + "\n")
     (run_dir / "inputs.json").write_text(json.dumps(inputs, indent=2) + "\n")
     profiles = group_profiles(cfg)
-    from transformers import AutoTokenizer
-
     quiet_loaded()
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path, cfg.model.chat_template)
     bar = ProgressBar(cfg.runtime.steps, payload["step"] if payload else 0, cfg.observe.progress if progress is None else progress)
     sinks = _RunSinks(cfg, run_dir, tokenizer)
 
@@ -267,7 +266,8 @@ def run_eval(cfg: RunConfig, base_path: str, final_path: str) -> dict[str, Any]:
     out: dict[str, Any] = {"task": cfg.env.name, "k": e.k, "n": e.n, "n_tasks": n_tasks, "seed": e.seed}
     kw = dict(k=e.k, n=e.n, n_tasks=n_tasks, seed=e.seed, task=cfg.env.name,
               max_total_tokens=cfg.rollout.max_total_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
-              temperature=cfg.rollout.temperature, env_options=dict(cfg.env.options))
+              temperature=cfg.rollout.temperature, env_options=dict(cfg.env.options),
+              chat_template=cfg.model.chat_template)
     t0 = time.perf_counter()
     out["final"] = _call_eval(evaluate, final_path, kw)
     if e.base:
