@@ -90,8 +90,12 @@ class ChatFormat:
         return ids + self._turn("<|user|>", user) + self.assistant_header
 
     def tool_result(self, text: str) -> list[int]:
-        """A tool turn followed by the next assistant header."""
-        return self._turn("<|tool|>", text) + self.assistant_header
+        """A tool turn followed by the next assistant header; the output is untrusted text
+        (``envs/untrusted.py``: a tool that prints ``<|end|>`` cannot end the turn)."""
+        from mixrl.envs.untrusted import encode_untrusted
+
+        body = encode_untrusted(self.tokenizer, text)
+        return self._role["<|tool|>"] + body + self._role["<|end|>"] + self.assistant_header
 
     def user_turn(self, text: str) -> list[int]:
         """A user turn followed by the next assistant header."""
