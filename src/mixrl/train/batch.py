@@ -87,10 +87,20 @@ class TrainBatch:
     trainer_logprobs: Tensor | None  # [N]
     cand_trainer_logprobs: Tensor | None  # [K]
     entropy: Tensor | None  # [N]
+    # packed batches (mixrl.train.packing): several trajectories per row
+    position_ids: Tensor | None = None  # [B, L] long, restarting at 0 for each trajectory
+    rows: Tensor | None = None  # [N] row of the hidden state of each position; None = seq_ids
+    num_trajectories: int | None = None  # None: one trajectory per row
 
     @property
     def num_seqs(self) -> int:
-        return int(self.input_ids.shape[0])
+        """Trajectories in the batch (``seq_ids`` run over 0..num_seqs-1)."""
+        return int(self.input_ids.shape[0]) if self.num_trajectories is None else self.num_trajectories
+
+    @property
+    def hidden_rows(self) -> Tensor:
+        """[N] batch row whose hidden state at ``pred_cols`` predicts each position."""
+        return self.seq_ids if self.rows is None else self.rows
 
     def to(self, device: torch.device | str) -> TrainBatch:
         """The same batch with every tensor on ``device``."""

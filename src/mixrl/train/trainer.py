@@ -7,7 +7,9 @@ version::
     p_old   = no-grad pass                             # only when epochs * minibatches > 1
     for epoch, minibatch:                              # one AdamW step per minibatch
         D = aggregation_denominator(minibatch)         # once, over the whole minibatch
-        for micro-batch:                               # gradient accumulation
+        for micro-batch:                               # gradient accumulation; each holds at most
+                                                       # micro_batch_tokens model inputs, padded or
+                                                       # packed (mixrl.train.packing)
             h   = model.model(ids, mask).last_hidden_state[rows, t - 1]    # [N, d]
             out = chunked_logprobs(h, lm_head.weight, y, candidates)       # never [N, V]
             compute_loss(LossInputs(...), cfg, D).backward()
@@ -49,8 +51,9 @@ from mixrl.models.chunked import TokenLogprobs, chunked_logprobs
 from mixrl.rollout.screen import sampling_error
 from mixrl.rollout.types import Trajectory
 from mixrl.train.batch import BatchStats, Record, TrainBatch, collate, prepare
+from mixrl.train.packing import MicroBatch, collate_micro, is_flash, micro_batches, model_inputs
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}  # fp64: references
 
 
 def needed_cand_kind(cfg: LossConfig) -> str:
@@ -78,6 +81,9 @@ class Trainer:
         minibatches: int = 1,
         temperature: float = 1.0,
         micro_batch_size: int | None = None,  # trajectories per forward/backward; None = all
+        micro_batch_tokens: int | None = None,  # model-input tokens per forward/backward; None = all
+        forward_micro_batch_tokens: int | None = None,  # the same for the no-grad p_old pass; None = as above
+        packing: bool = False,  # several trajectories per row (mixrl.train.packing) instead of padding
         chunk_size: int = 1024,
         pad_id: int = 0,
         seed: int = 0,
@@ -94,6 +100,11 @@ class Trainer:
             raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
         if minibatches < 1 or (micro_batch_size is not None and micro_batch_size < 1):
             raise ValueError(f"minibatches={minibatches} and micro_batch_size={micro_batch_size} must be >= 1")
+        for name, b in (("micro_batch_tokens", micro_batch_tokens), ("forward_micro_batch_tokens", forward_micro_batch_tokens)):
+            if b is not None and b < 1:
+                raise ValueError(f"{name} must be >= 1, got {b}")
+        if packing and micro_batch_size is not None:
+            raise ValueError("micro_batch_size counts padded rows; with packing bound micro-batches by micro_batch_tokens")
         check_compatible(loss_cfg, epochs, minibatches)
         if minibatches > 1 and loss_cfg.score_centering:
             raise ValueError(f"loss.score_centering=True with minibatches={minibatches}: score centering "
@@ -102,6 +113,9 @@ class Trainer:
         self.epochs, self.minibatches, self.temperature = epochs, minibatches, temperature
         self.micro_batch_size, self.chunk_size, self.pad_id, self.seed = micro_batch_size, chunk_size, pad_id, seed
         self.grad_clip, self.precision = grad_clip, precision
+        self.micro_batch_tokens, self.packing = micro_batch_tokens, packing
+        self.forward_micro_batch_tokens = forward_micro_batch_tokens or micro_batch_tokens
+        self.attn_impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         self.max_malformed_frac, self.gen_budget = max_malformed_frac, gen_budget
         self.lr_schedule, self.base_lr = lr_schedule, lr
         self.cand_kind = needed_cand_kind(loss_cfg)
@@ -120,9 +134,9 @@ class Trainer:
     # ------------------------------------------------------------------ forward
 
     def _forward(self, tb: TrainBatch) -> TokenLogprobs:
-        cut = int(tb.pred_cols.max()) + 1  # later tokens cannot influence earlier predictions
-        out = self.model.model(input_ids=tb.input_ids[:, :cut], attention_mask=tb.attention_mask[:, :cut])
-        h = out.last_hidden_state[tb.seq_ids, tb.pred_cols]  # [N, d]
+        kw = model_inputs(tb, self.attn_impl, dtype=PRECISIONS[self.precision])  # padded or packed rows
+        out = self.model.model(**kw)
+        h = out.last_hidden_state[tb.hidden_rows, tb.pred_cols]  # [N, d]
         head = self.model.lm_head
         kind = self.cand_kind
         return chunked_logprobs(
@@ -158,9 +172,10 @@ class Trainer:
         finally:
             self.model = live
 
-    def _micro(self, records: list[Record]) -> list[list[Record]]:
-        m = self.micro_batch_size or len(records)
-        return [records[i:i + m] for i in range(0, len(records), m)]
+    def _micro(self, records: list[Record], budget: int | None = None) -> list[MicroBatch]:
+        """Micro-batches of at most ``budget`` model-input tokens (default micro_batch_tokens)."""
+        return micro_batches(records, budget or self.micro_batch_tokens, packed=self.packing,
+                             one_row=is_flash(self.attn_impl), max_seqs=self.micro_batch_size)
 
     @staticmethod
     def _store(records: list[Record], out: TokenLogprobs, *fields: str) -> None:
@@ -189,8 +204,9 @@ class Trainer:
         """Backward over ``mini`` in micro-batches with the shared ``denom``; grads accumulate."""
         loss_sum, n_micro = 0.0, 0
         metrics: dict[str, float] = {}
-        for mb in self._micro(mini):
-            tb = collate(mb, self.pad_id).to(self.device)
+        for micro in self._micro(mini):
+            mb = micro.records
+            tb = collate_micro(micro, self.pad_id).to(self.device)
             out = self._forward(tb)
             old = tb.old_logprobs if decoupled else out.logprobs.detach()
             cold = tb.cand_old_logprobs if decoupled else out.cand_logprobs.detach()
@@ -270,9 +286,9 @@ class Trainer:
             decoupled = self.epochs * self.minibatches > 1
             if decoupled:  # p_old fixed at θ_old for every epoch and minibatch
                 with torch.no_grad():
-                    for mb in self._micro(records):
-                        out = self._forward(collate(mb, self.pad_id).to(self.device))
-                        self._store(mb, out, "old_logprobs", "cand_old_logprobs")
+                    for micro in self._micro(records, self.forward_micro_batch_tokens):
+                        out = self._forward(collate_micro(micro, self.pad_id).to(self.device))
+                        self._store(micro.records, out, "old_logprobs", "cand_old_logprobs")
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.version)
             loss0, n_micro = 0.0, 0
             for epoch in range(self.epochs):

@@ -1,0 +1,215 @@
+"""Token-budget micro-batches and sequence packing for the trainer.
+
+    plan = micro_batches(records, budget, packed=True)   # [MicroBatch], each within budget
+    tb   = collate_micro(mb, pad_id)                     # TrainBatch, packed or padded
+    kw   = model_inputs(tb, attn_impl)                   # model.model(**kw)
+
+**Budget.** What goes through the model is one ``[R, C]`` tensor per micro-batch
+(R rows of C tokens, padding included); micro-batches are cut so that
+``R * C <= budget``, so the trainer's activation memory is set by configuration,
+not by how many trajectories an update holds. A trajectory is never split (its
+tokens attend to each other): one longer than the budget is a micro-batch alone.
+Gradients of the micro-batches add up to the batch gradient because the loss
+takes its denominator from the caller (``Trainer.denominator``, computed once
+over the whole minibatch; STYLE.md item 3).
+
+**Trim.** Token ``t`` is predicted by the hidden state at ``t - 1``, so only
+``tokens[:last]`` of a trajectory enter, ``last`` its last generated position:
+later tokens (the final generated one, tool output after it) influence no
+prediction that is trained (causal attention).
+
+**Packing.** Trajectories are placed by best-fit decreasing into rows of ``C``
+tokens, each with its own position ids (0, 1, ... from its start) and an
+attention mask that is causal *within* a trajectory and blocks attention across
+trajectories::
+
+    row 0: a a a a a b b b . .     position_ids 0 1 2 3 4 0 1 2 0 1
+    row 1: c c c c d d d d d .     position_ids 0 1 2 3 0 1 2 3 4 0
+
+The padding at a row's end is a sequence of its own (it attends to itself):
+a query with every key masked gives NaN in SDPA, and NaN times a zero attention
+weight is still NaN, so it would leak into real tokens of the next layer.
+
+- CPU / SDPA / eager: ``C`` is the longest trajectory (attention costs
+  ``R * C^2`` with a dense mask, so rows stay short) and the block-diagonal mask
+  is passed as a 4D ``[R, 1, C, C]`` tensor (bool for SDPA, additive for eager),
+  which transformers uses as given.
+- flash attention (``config._attn_implementation`` names a flash kernel): one row
+  per micro-batch, ``C`` = the budget, and no mask: transformers reads the
+  sequence boundaries off ``position_ids`` (a position that does not continue the
+  previous one starts a sequence) and calls the varlen kernel with ``cu_seqlens``,
+  so no compute at all is spent across sequences or on padding. The same
+  ``position_ids``-only form also works for SDPA (transformers then builds the
+  block-diagonal mask itself); ``mode="position_ids"`` selects it.
+
+Log-probs stay aligned per token: positions are flattened in record order (the
+order of ``MicroBatch.records``), then position order, exactly as ``collate``
+does, so candidates (``cand_offsets``), support replay and ``Trainer._store``
+see the same layout packed or not; only the hidden state a position reads
+(``rows``, ``pred_cols``) moves.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from mixrl.train.batch import Record, TrainBatch, collate
+
+MASK_MODES = ("auto", "4d", "position_ids")
+
+
+@dataclass
+class MicroBatch:
+    records: list[Record]  # in the order of the flat per-position tensors
+    rows: list[int] | None  # packed: trajectories per row, in order; None: one per row, right-padded
+    row_len: int  # C: tokens per row (the longest trimmed trajectory when padded)
+
+    @property
+    def tokens(self) -> int:
+        """Size of the model input ``R * C``, padding included (what the budget bounds)."""
+        n_rows = len(self.records) if self.rows is None else len(self.rows)
+        return n_rows * self.row_len
+
+
+def used_len(r: Record) -> int:
+    """Tokens of ``r`` the forward needs: up to (excluding) its last generated position."""
+    return int(r.gen_pos.max())
+
+
+def is_flash(attn_impl: str | None) -> bool:
+    return attn_impl is not None and "flash" in attn_impl
+
+
+def micro_batches(records: list[Record], budget: int | None, *, packed: bool, one_row: bool = False,
+                  max_seqs: int | None = None) -> list[MicroBatch]:
+    """Cut ``records`` into micro-batches of at most ``budget`` model-input tokens.
+
+    ``budget=None``: one micro-batch (cut only by ``max_seqs`` trajectories when padded).
+    ``packed``: best-fit decreasing into rows; ``one_row``: each micro-batch is one
+    packed row of ``budget`` tokens (flash-attention varlen). Padded: records keep
+    their order and each micro-batch is padded to its longest trajectory.
+    """
+    if budget is not None and budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    if not records:
+        return []
+    if not packed:
+        return _padded(records, budget, max_seqs)
+    lens = [used_len(r) for r in records]
+    if one_row:  # flash varlen: cost is per sequence, so a row can be as long as the budget
+        cap = sum(lens) if budget is None else budget
+    else:  # a dense mask costs C^2 per row: rows no longer than the longest trajectory
+        cap = max(lens) if budget is None else min(max(lens), budget)
+    # a trajectory longer than a row is a micro-batch alone (it is never split)
+    out = [MicroBatch([r], [1], n) for r, n in zip(records, lens, strict=True) if n > cap]
+    fit = [(r, n) for r, n in zip(records, lens, strict=True) if n <= cap]
+    rows = _best_fit([r for r, _ in fit], [n for _, n in fit], cap)
+    if one_row:
+        return out + [MicroBatch(row, [len(row)], sum(used_len(r) for r in row)) for row in rows]  # no padding
+    per = max(1, len(rows) if budget is None else budget // cap)
+    for i in range(0, len(rows), per):
+        group = rows[i:i + per]
+        out.append(MicroBatch([r for row in group for r in row], [len(row) for row in group], cap))
+    return out
+
+
+def _padded(records: list[Record], budget: int | None, max_seqs: int | None) -> list[MicroBatch]:
+    out: list[MicroBatch] = []
+    cur: list[Record] = []
+    width = 0
+    for r in records:
+        w = max(width, used_len(r))
+        full = max_seqs is not None and len(cur) >= max_seqs
+        if cur and (full or (budget is not None and (len(cur) + 1) * w > budget)):
+            out.append(MicroBatch(cur, None, width))
+            cur, w = [], used_len(r)
+        cur.append(r)
+        width = w
+    out.append(MicroBatch(cur, None, width))
+    return out
+
+
+def _best_fit(records: list[Record], lens: list[int], cap: int) -> list[list[Record]]:
+    """Best-fit decreasing bin packing: each record goes to the fullest row it fits in."""
+    order = sorted(range(len(records)), key=lambda i: -lens[i])  # stable: ties keep input order
+    rows: list[list[Record]] = []
+    free: list[tuple[int, int]] = []  # (free tokens, row index), ascending
+    for i in order:
+        k = bisect.bisect_left(free, (lens[i], -1))
+        if k == len(free):
+            rows.append([records[i]])
+            bisect.insort(free, (cap - lens[i], len(rows) - 1))
+            continue
+        space, row = free.pop(k)
+        rows[row].append(records[i])
+        bisect.insort(free, (space - lens[i], row))
+    return rows
+
+
+def pack(mb: MicroBatch, pad_id: int = 0) -> TrainBatch:
+    """The packed ``TrainBatch`` of ``mb`` (``mb.rows`` trajectories per row)."""
+    assert mb.rows is not None and sum(mb.rows) == len(mb.records)
+    R, C = len(mb.rows), mb.row_len
+    input_ids = torch.full((R, C), pad_id, dtype=torch.long)
+    position_ids = torch.empty(R, C, dtype=torch.long)
+    attn = torch.zeros(R, C, dtype=torch.long)  # 1 on real tokens
+    row_of, start_of = [], []
+    i = 0
+    for row, n in enumerate(mb.rows):
+        col = 0
+        for r in mb.records[i:i + n]:
+            m = used_len(r)
+            input_ids[row, col:col + m] = r.tokens[:m]
+            position_ids[row, col:col + m] = torch.arange(m)
+            attn[row, col:col + m] = 1
+            row_of.append(row)
+            start_of.append(col)
+            col += m
+        if col > C:
+            raise ValueError(f"packed row {row} holds {col} tokens, more than its length {C}")
+        position_ids[row, col:] = torch.arange(C - col)  # padding: a sequence of its own
+        i += n
+    tb = collate(mb.records, pad_id)  # flat per-position tensors, in record order
+    n_each = [int(r.gen_pos.numel()) for r in mb.records]
+    rows = torch.repeat_interleave(torch.tensor(row_of), torch.tensor(n_each))  # [N]
+    shift = torch.repeat_interleave(torch.tensor(start_of), torch.tensor(n_each))  # [N]
+    return replace(tb, input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
+                   rows=rows, pred_cols=tb.pred_cols + shift, num_trajectories=len(mb.records))
+
+
+def collate_micro(mb: MicroBatch, pad_id: int = 0) -> TrainBatch:
+    return collate(mb.records, pad_id) if mb.rows is None else pack(mb, pad_id)
+
+
+def block_mask(position_ids: Tensor) -> Tensor:
+    """``[R, 1, C, C]`` bool: query q may attend to key k (same sequence, k <= q)."""
+    seg = (position_ids == 0).cumsum(1)  # [R, C] a sequence starts where its position is 0
+    C = position_ids.shape[1]
+    causal = torch.ones(C, C, dtype=torch.bool, device=position_ids.device).tril()
+    return ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+
+
+def model_inputs(tb: TrainBatch, attn_impl: str | None, mode: str = "auto",
+                 dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Keyword arguments of ``model.model(...)`` for a padded or packed batch."""
+    if mode not in MASK_MODES:
+        raise ValueError(f"mask mode {mode!r} is not one of {MASK_MODES}")
+    cut = int(tb.pred_cols.max()) + 1  # later columns cannot influence earlier predictions
+    # no KV cache: transformers reads packed sequences off position_ids only without one
+    if tb.position_ids is None:
+        return {"input_ids": tb.input_ids[:, :cut], "attention_mask": tb.attention_mask[:, :cut],
+                "use_cache": False}
+    kw = {"input_ids": tb.input_ids[:, :cut], "position_ids": tb.position_ids[:, :cut], "use_cache": False}
+    if mode == "position_ids" or (mode == "auto" and (is_flash(attn_impl) or attn_impl == "flex_attention")):
+        return kw
+    allowed = block_mask(kw["position_ids"])
+    if attn_impl == "sdpa":
+        return {**kw, "attention_mask": allowed}
+    # eager and other kernels that add the mask to the scores
+    add = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return {**kw, "attention_mask": add.masked_fill_(~allowed, torch.finfo(dtype).min)}
