@@ -73,8 +73,11 @@ def plot_curves(runs: list[Run], out: Path, window: int = 5) -> Path:
     axes.flat[-1].axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     axes.flat[-1].legend(handles, labels, loc="center", fontsize=9)
-    fig.suptitle(f"Training curves (moving average over {window} steps; solid: mixed fleet, "
-                 "dashed: homogeneous)")
+    if len(runs) == 1:
+        fig.suptitle(f"{runs[0].name}: training curves of one run (moving average over {window} steps)")
+    else:
+        fig.suptitle(f"Training curves of {len(runs)} runs (moving average over {window} steps; solid: mixed fleet, "
+                     "dashed: homogeneous)")
     fig.tight_layout()
     path = Path(out) / "curves.png"
     fig.savefig(path, dpi=90)
@@ -141,6 +144,8 @@ def plot_passk_cost(runs: list[Run], out: Path, k: int = 4) -> Path:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], FLEET_STYLE.get(run.fleet, "-"),
                     marker="o", color=plt.cm.tab10(i % 10), label=run.name)
+    ax.set_title(f"{runs[0].name}: held-out pass@{k} vs cost, base and final" if len(runs) == 1
+                 else f"held-out pass@{k} vs cost, {len(runs)} runs")
     ax.set_xlabel("cumulative sampling cost (USD, modelled)")
     ax.set_ylabel(f"held-out pass@{k}")
     ax.grid(alpha=0.3)

@@ -21,11 +21,58 @@ from mixrl.observe.runs import Run, load_runs
 
 COLUMNS = ("run", "steps", "reward_first", "reward_final", "pass@1", "pass@4", "kl_growth",
            "ratio_oob", "format_error_end", "collapse_flags", "cost")
+# One line per column, shown under the table ("pass@4" stands for pass@k).
+COLUMN_HELP = {
+    "run": "the run (inside a compare directory: fleet/arm)",
+    "steps": "trainer updates taken",
+    "reward_first": "mean episode reward over the first 10% of the updates",
+    "reward_final": "mean episode reward over the last 10% of the updates",
+    "pass@1": "held-out share of samples that are correct, final policy (unbiased estimator)",
+    "pass@4": "held-out chance that at least one of k samples is correct, final policy",
+    "kl_growth": "sampler-trainer KL, mean of the last 10 updates / updates 11-20 (> 1: the mismatch grows)",
+    "ratio_oob": "share of tokens whose importance ratio trainer/sampler is outside [0.2, 5]",
+    "format_error_end": "share of episodes ended by repeated format errors, last 10% of updates",
+    "collapse_flags": "signals the collapse monitor raised (collapse.jsonl), or none",
+    "cost": "modelled sampling cost in USD: tokens / profile throughput x profile price",
+}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dir", type=Path, help="a run directory or a compare directory")
-    parser.add_argument("--k", type=int, default=4, help="k of the pass@k shown (default 4)")
+    parser.add_argument("--k", type=int, default=None, help="k of the pass@k shown (default: the k the runs evaluated)")
+    parser.add_argument("--png", action="store_true", help="also render report.html to report.png (headless Chromium)")
+
+
+def evaluated_k(runs: list[Run]) -> int:
+    """The k the runs' evaluations used (the largest pass@k they report; 4 if none says)."""
+    ks = [int(r.eval["k"]) for r in runs if isinstance(r.eval.get("k"), int)]
+    if ks:
+        return max(ks)
+    found = [int(key[5:]) for r in runs for key in r.eval if key.startswith("pass@") and key[5:].isdigit()]
+    return max(found) if found else 4
+
+
+def eval_rows(runs: list[Run], k: int) -> list[dict[str, Any]]:
+    """Base vs final held-out evaluation, one row per run that has both or either."""
+    out = []
+    for r in runs:
+        if not r.eval and not r.base:
+            continue
+        row: dict[str, Any] = {"run": r.name, "tasks": r.eval.get("n_tasks", r.base.get("n_tasks", ""))}
+        for tag, ev in (("base", r.base), ("final", r.eval)):
+            for key in ("pass@1", f"pass@{k}", "mean_reward"):
+                row[f"{tag} {key}"] = float(ev.get(key, math.nan))
+        out.append(row)
+    return out
+
+
+def _cols(k: int) -> list[str]:
+    """The table's columns with pass@4 shown as the evaluated pass@k (once when k = 1)."""
+    return [c if c != "pass@4" else f"pass@{k}" for c in COLUMNS if not (k == 1 and c == "pass@4")]
+
+
+def _clip(text: str, n: int = 600) -> str:
+    return text if len(text) <= n else text[:n] + " ..."
 
 
 def _fmt(v: Any) -> str:
@@ -36,8 +83,9 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def build(dir_: Path, k: int = 4) -> dict[str, Any]:
+def build(dir_: Path, k: int | None = None) -> dict[str, Any]:
     runs = load_runs(dir_)
+    k = evaluated_k(runs) if k is None else k
     figs_dir = dir_ / "figures"
     figs_dir.mkdir(exist_ok=True)
     figures = [plot_curves(runs, figs_dir)]
@@ -47,7 +95,9 @@ def build(dir_: Path, k: int = 4) -> dict[str, Any]:
     figures.append(plot_passk_cost(runs, figs_dir, k))
     rows = [summarize(r, k) for r in runs]
     findings = judge(runs, k) if len(runs) > 1 else []
-    return {"runs": runs, "rows": rows, "findings": findings, "figures": figures}
+    episodes = [(r.name, e) for r in runs for e in r.episodes[-4:]] if len(runs) == 1 else []
+    return {"runs": runs, "rows": rows, "findings": findings, "figures": figures, "k": k,
+            "evals": eval_rows(runs, k), "episodes": episodes}
 
 
 def _focus(runs: list[Run]) -> Run | None:
@@ -64,14 +114,28 @@ def _config_text(runs: list[Run]) -> str:
 
 
 def markdown(dir_: Path, rep: dict[str, Any], k: int) -> str:
-    cols = [c if c != "pass@4" else f"pass@{k}" for c in COLUMNS]
+    cols = _cols(k)
     lines = [f"# mixrl report: `{dir_}`", "", "## Runs", "",
              "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for row in rep["rows"]:
         lines.append("| " + " | ".join(_fmt(row.get(c, "")) for c in cols) + " |")
-    lines += ["", "Costs are modelled: tokens generated / profile throughput x profile price "
-              "(list prices by default). KL growth = mean KL over the last 10 steps / steps 11-20 "
-              "(exact KL where the support is recorded, else k3).", ""]
+    lines += ["", "Columns:", ""]
+    lines += [f"- **{c}**: {COLUMN_HELP[c if c != f'pass@{k}' else 'pass@4']}" for c in cols]
+    lines += ["", "Costs are modelled (list prices by default); KL is the exact KL where the support "
+              "is recorded, else k3.", ""]
+    if rep["evals"]:
+        ecols = list(rep["evals"][0])
+        lines += [f"## Held-out evaluation: base vs final (pass@{k})", "",
+                  "| " + " | ".join(ecols) + " |", "|" + "---|" * len(ecols)]
+        lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in ecols) + " |" for r in rep["evals"]]
+        lines.append("")
+    if rep["episodes"]:
+        lines += ["## Sample episodes", ""]
+        for _name, e in rep["episodes"]:
+            lines += [f"**step {e.get('step')}, {e.get('prompt_id')}** - reward {e.get('reward')}, "
+                      f"status {e.get('status')}, {e.get('turns')} turn(s), group {e.get('group') or '-'}", "",
+                      "```", "PROMPT: " + _clip(str(e.get("prompt", ""))),
+                      "EPISODE (replies, tool calls and tool output): " + _clip(str(e.get("completion", ""))), "```", ""]
     if rep["findings"]:
         lines += ["## The seed's findings", ""]
         for f in rep["findings"]:
@@ -84,7 +148,7 @@ def markdown(dir_: Path, rep: dict[str, Any], k: int) -> str:
 
 
 def render_html(dir_: Path, rep: dict[str, Any], k: int) -> str:
-    cols = [c if c != "pass@4" else f"pass@{k}" for c in COLUMNS]
+    cols = _cols(k)
     head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c, '')))}</td>" for c in cols) + "</tr>"
@@ -97,10 +161,27 @@ def render_html(dir_: Path, rep: dict[str, Any], k: int) -> str:
     style = ("body{font-family:sans-serif;max-width:1400px;margin:auto;padding:1em}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px}"
              "img{max-width:100%}.reproduced{color:#070}.not{color:#a00}.inconclusive{color:#a60}")
+    helps = "".join(f"<li><b>{html.escape(c)}</b>: {html.escape(COLUMN_HELP[c if c != f'pass@{k}' else 'pass@4'])}</li>"
+                    for c in cols)
+    evals = ""
+    if rep["evals"]:
+        ecols = list(rep["evals"][0])
+        evals = (f"<h2>Held-out evaluation: base vs final (pass@{k})</h2><table><tr>"
+                 + "".join(f"<th>{html.escape(c)}</th>" for c in ecols) + "</tr>"
+                 + "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c, '')))}</td>" for c in ecols) + "</tr>"
+                           for r in rep["evals"]) + "</table>")
+    eps = "".join(
+        f"<h3>step {e.get('step')}, {html.escape(str(e.get('prompt_id')))}: reward {e.get('reward')}, "
+        f"status {html.escape(str(e.get('status')))}, {e.get('turns')} turn(s)</h3>"
+        f"<pre>PROMPT: {html.escape(_clip(str(e.get('prompt', ''))))}\n"
+        f"EPISODE: {html.escape(_clip(str(e.get('completion', ''))))}</pre>"
+        for _, e in rep["episodes"])
+    title = f"one run: {rep['runs'][0].name}" if len(rep["runs"]) == 1 else f"{len(rep['runs'])} runs"
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>mixrl report</title>"
-            f"<style>{style}</style></head><body><h1>mixrl report: {html.escape(str(dir_))}</h1>"
-            f"<h2>Runs</h2><table><tr>{head}</tr>{body}</table>"
-            f"<p>Costs are modelled (tokens / profile throughput x list price).</p>"
+            f"<style>{style}</style></head><body><h1>mixrl report: {html.escape(str(dir_))} ({html.escape(title)})</h1>"
+            f"<h2>Runs</h2><table><tr>{head}</tr>{body}</table><ul>{helps}</ul>"
+            f"<p>Costs are modelled (tokens / profile throughput x list price).</p>" + evals
+            + (f"<h2>Sample episodes (prompt, replies with tool calls, reward)</h2>{eps}" if eps else "")
             + (f"<h2>The seed's findings</h2><ul>{finds}</ul>" if finds else "")
             + f"<h2>Figures</h2>{imgs}<h2>Config</h2><pre>{html.escape(_config_text(rep['runs']))}"
             f"</pre></body></html>")
@@ -117,10 +198,19 @@ def main(args: argparse.Namespace) -> int:
     if not dir_.is_dir():
         print(f"mixrl report: {dir_} is not a directory")
         return 2
-    rep = build(dir_, args.k)
-    (dir_ / "report.md").write_text(markdown(dir_, rep, args.k))
-    (dir_ / "report.html").write_text(render_html(dir_, rep, args.k))
+    try:
+        rep = build(dir_, args.k)
+    except FileNotFoundError as e:
+        print(f"mixrl report: {e}")
+        return 2
+    k = rep["k"]
+    (dir_ / "report.md").write_text(markdown(dir_, rep, k))
+    (dir_ / "report.html").write_text(render_html(dir_, rep, k))
     print(f"wrote {dir_ / 'report.html'} and {dir_ / 'report.md'}")
+    if getattr(args, "png", False):
+        from mixrl.observe.screenshot import screenshot
+
+        print(f"wrote {screenshot(dir_ / 'report.html', dir_ / 'report.png')}")
     for f in rep["findings"]:
         print(f"  {f.title}: {f.verdict}")
     return 0

@@ -23,6 +23,8 @@ class Run:
     rows: list[dict[str, Any]] = field(default_factory=list)
     eval: dict[str, Any] = field(default_factory=dict)
     evals: list[dict[str, Any]] = field(default_factory=list)  # periodic evaluations
+    base: dict[str, Any] = field(default_factory=dict)  # evaluation of the starting policy
+    episodes: list[dict[str, Any]] = field(default_factory=list)  # decoded sample episodes
     events: list[dict[str, Any]] = field(default_factory=list)
     config: dict[str, Any] = field(default_factory=dict)
 
@@ -95,7 +97,11 @@ def load_run(path: Path, name: str | None = None) -> Run:
         # evaluation ({"pass@1": ...}) is accepted too.
         run.eval = dict(ev.get("final", ev))
         if "base" in ev and isinstance(ev["base"], dict):
+            run.base = dict(ev["base"])
             run.evals.insert(0, {**ev["base"], "cost/cumulative": 0.0})
+        if "k" in ev:
+            run.eval.setdefault("k", ev["k"])
+    run.episodes = _jsonl(path / "episodes.jsonl")
     for name in ("config.json", "config.toml"):
         c = path / name
         if c.exists():
