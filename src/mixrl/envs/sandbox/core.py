@@ -60,7 +60,8 @@ class Sandbox:
         limits = limits or SandboxLimits()
         runtime()  # fail early (SandboxError) when bwrap is missing
         seccomp.program()
-        tree = await asyncio.to_thread(hierarchy)
+        # discovery reads /proc and may mkdir: a thread the first time, cached after
+        tree = hierarchy() if hierarchy.cache_info().currsize else await asyncio.to_thread(hierarchy)
         reaper.enable()
         src = os.fspath(repo_dir)
         if not os.path.isdir(src):
