@@ -26,7 +26,9 @@ BENCHES: dict[str, tuple[str, str]] = {
     "loss": ("mixrl.bench.loss", "chunked vs full-logits log-probs; GRPO vs SC+MIS+top-p loss step"),
     "sampler": ("mixrl.bench.sampler", "sampler throughput per precision profile and engine"),
     "e2e": ("mixrl.bench.e2e", "end-to-end training throughput of a short run"),
+    "serve": ("mixrl.bench.serve", "OpenAI-compatible endpoint vs the sampler called directly, same load"),
     "sandbox": ("mixrl.bench.sandbox", "sandbox start-up latency and concurrent episodes"),
+    "moe": ("mixrl.bench.moe", "MoE routing mismatch and the KL with and without routing replay"),
 }
 
 

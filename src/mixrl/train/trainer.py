@@ -52,6 +52,7 @@ from mixrl.rollout.screen import sampling_error
 from mixrl.rollout.types import Trajectory
 from mixrl.train.batch import BatchStats, Record, TrainBatch, collate, prepare
 from mixrl.train.packing import MicroBatch, collate_micro, is_flash, micro_batches, model_inputs
+from mixrl.train.routing_replay import TrainerRouting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}  # fp64: references
 
@@ -119,6 +120,7 @@ class Trainer:
         self.max_malformed_frac, self.gen_budget = max_malformed_frac, gen_budget
         self.lr_schedule, self.base_lr = lr_schedule, lr
         self.cand_kind = needed_cand_kind(loss_cfg)
+        self.routing = TrainerRouting(model, loss_cfg.routing_replay)  # MoE: replay, routing mismatch
         self.version = 0
         model.to(PRECISIONS[precision])
         model.train()
@@ -133,9 +135,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, tb: TrainBatch) -> TokenLogprobs:
+    def _forward(self, tb: TrainBatch, records: list[Record] | None = None) -> TokenLogprobs:
         kw = model_inputs(tb, self.attn_impl, dtype=PRECISIONS[self.precision])  # padded or packed rows
-        out = self.model.model(**kw)
+        with self.routing.context(self.model, records, tb, kw["input_ids"].shape):  # MoE routers only
+            out = self.model.model(**kw)
         h = out.last_hidden_state[tb.hidden_rows, tb.pred_cols]  # [N, d]
         head = self.model.lm_head
         kind = self.cand_kind
@@ -207,7 +210,7 @@ class Trainer:
         for micro in self._micro(mini):
             mb = micro.records
             tb = collate_micro(micro, self.pad_id).to(self.device)
-            out = self._forward(tb)
+            out = self._forward(tb, mb)
             old = tb.old_logprobs if decoupled else out.logprobs.detach()
             cold = tb.cand_old_logprobs if decoupled else out.cand_logprobs.detach()
             assert old is not None and cold is not None
@@ -254,6 +257,7 @@ class Trainer:
                 raise ValueError(msg)
             stats.dropped_malformed += 1
             stats.errors.append(msg)
+        self.routing.attach(kept, trajectories)
         return kept, stats
 
     def step(
@@ -287,7 +291,7 @@ class Trainer:
             if decoupled:  # p_old fixed at θ_old for every epoch and minibatch
                 with torch.no_grad():
                     for micro in self._micro(records, self.forward_micro_batch_tokens):
-                        out = self._forward(collate_micro(micro, self.pad_id).to(self.device))
+                        out = self._forward(collate_micro(micro, self.pad_id).to(self.device), micro.records)
                         self._store(micro.records, out, "old_logprobs", "cand_old_logprobs")
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.version)
             loss0, n_micro = 0.0, 0
@@ -309,6 +313,7 @@ class Trainer:
         self.version += 1
         skipped = sum(not math.isfinite(x) for x in norms)
         metrics.update(self._counters(records, stats, norms, skipped, time.perf_counter() - t0))
+        metrics.update(self.routing.metrics(stats.group_names))
         return metrics
 
     def _batch_metrics(self, records: list[Record], stats: BatchStats, mode: str,

@@ -30,13 +30,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from mixrl.models.moe import is_router
 from mixrl.sampling.builtin.hf_cache import QuantizedKVCache
 from mixrl.sampling.builtin.precision import Precision
 from mixrl.sampling.builtin.qwen3_forward import _clean
-
-
-def is_router(mod: nn.Module) -> bool:
-    return all(hasattr(mod, a) for a in ("top_k", "num_experts", "weight")) and "Router" in type(mod).__name__
 
 
 def is_expert_bank(mod: nn.Module) -> bool:
