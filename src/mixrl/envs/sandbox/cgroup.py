@@ -154,6 +154,13 @@ class Hierarchy:
             if self._parent and self._cap == cap:
                 return self._parent
             name = f"mixrl-{os.getpid()}-{secrets.token_hex(3)}"
+            if self.version == 2:  # our cgroup must hand the controllers down (OSError if it cannot)
+                want = {"memory", "pids"} | ({"cpu"} & self._v2_ctrls(self.bases[""]))
+                with open(os.path.join(self.bases[""], "cgroup.subtree_control")) as f:
+                    missing = want - set(f.read().split())
+                if missing:
+                    _write(os.path.join(self.bases[""], "cgroup.subtree_control"),
+                           " ".join(f"+{c}" for c in sorted(missing)))
             parents = {}
             for c, base in self.bases.items():
                 d = os.path.join(base, name)
