@@ -1,6 +1,6 @@
 """``mixrl bench sampler``: built-in engine vs HF ``generate``, tokens/s and peak memory.
 
-Setup (defaults = the throughput anchor of MEASUREMENTS.md): 64 prompts of 16
+Setup (defaults = the throughput anchor of docs/measurements.md): 64 prompts of 16
 random token ids, 128 new tokens each, temperature-1 sampling over the whole
 vocabulary (top-k and top-p off), FP32, EOS ignored on both sides so every row
 generates exactly 128 tokens. Model: the bundled policy when it is already

@@ -1,4 +1,4 @@
-"""mixrl.corrections: pure tensor math of the off-policy corrections (CORRECTIONS.md).
+"""mixrl.corrections: pure tensor math of the off-policy corrections (docs/corrections.md).
 
 No processes, ranks or Ray here: every function maps tensors to tensors.
 

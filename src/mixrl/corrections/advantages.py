@@ -1,4 +1,4 @@
-"""GRPO group advantages (CORRECTIONS.md section 8; DeepSeekMath arXiv 2402.03300 §4.1.2).
+"""GRPO group advantages (docs/corrections.md section 8; DeepSeekMath arXiv 2402.03300 §4.1.2).
 
     A_i = (R_i − mean_g R) / (std_g R + ε)        use_std=True  (GRPO)
     A_i =  R_i − mean_g R                          use_std=False (Dr. GRPO, arXiv 2503.20783)

@@ -1,4 +1,4 @@
-"""Aggregation: the denominator D of ``loss = −Σ m_t w_t g_t / D`` (CORRECTIONS.md section 9).
+"""Aggregation: the denominator D of ``loss = −Σ m_t w_t g_t / D`` (docs/corrections.md section 9).
 
 D is computed by the caller over the *whole* optimizer batch (in a distributed
 trainer: one all-reduce of the local value) and passed to ``compute_loss``,

@@ -1,4 +1,4 @@
-"""Behaviour corrections: constraint 2, behaviour q vs reference p_old (CORRECTIONS.md section 6).
+"""Behaviour corrections: constraint 2, behaviour q vs reference p_old (docs/corrections.md section 6).
 
 Each rule maps the behaviour log-ratios ``log ρ_t = log p_old(y_t) - log q(y_t)``
 to a detached token weight and/or a per-sequence factor. They compose as

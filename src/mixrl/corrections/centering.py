@@ -1,4 +1,4 @@
-"""Score centering (CORRECTIONS.md section 7; arXiv:2609.20807).
+"""Score centering (docs/corrections.md section 7; arXiv:2609.20807).
 
 At each position t the weighted score is centred by its expectation under q:
 

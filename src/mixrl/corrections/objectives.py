@@ -1,4 +1,4 @@
-"""Base objectives: constraint 1, target p_θ vs reference p_old (CORRECTIONS.md section 5).
+"""Base objectives: constraint 1, target p_θ vs reference p_old (docs/corrections.md section 5).
 
 Each objective returns the per-token surrogate ``g_t`` [N] (its gradient is the
 update direction; the loss is ``-Σ m_t w_t g_t / D``) and a bool [N] telling

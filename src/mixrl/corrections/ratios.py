@@ -1,4 +1,4 @@
-"""Log-space ratios and segment reductions (CORRECTIONS.md section 4).
+"""Log-space ratios and segment reductions (docs/corrections.md section 4).
 
 Every ratio is formed as ``exp(clamp(log a - log b, -c, c))`` with ``c = 20``
 by default: ``e^20 ≈ 4.9e8`` is far beyond any cap or mask bound in use, yet it

@@ -1,4 +1,4 @@
-"""Support (top-p / top-k) mask replay (CORRECTIONS.md section 3).
+"""Support (top-p / top-k) mask replay (docs/corrections.md section 3).
 
     log p̃(v | s_t) = z_v/T − logsumexp_{u∈S_t} z_u/T   for v ∈ S_t,   −inf otherwise
 

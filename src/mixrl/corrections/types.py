@@ -1,4 +1,4 @@
-"""The typed input record of the loss (CORRECTIONS.md sections 1-2).
+"""The typed input record of the loss (docs/corrections.md sections 1-2).
 
 All per-token tensors are flattened over the generated (loss-masked) positions
 of a batch, ``N`` of them; candidates of ``q`` (support or head) are ragged over

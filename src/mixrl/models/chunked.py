@@ -1,6 +1,6 @@
 """Memory-efficient token log-probabilities and entropy from final hidden states.
 
-The trainer needs, at every generated position t (CORRECTIONS.md §3, §7, §10):
+The trainer needs, at every generated position t (docs/corrections.md §3, §7, §10):
 ``log p_θ(y_t)`` (or the support-replayed ``log p̃(y_t)``), the full-vocabulary
 entropy of ``p_θ`` and log-probabilities at recorded candidates of ``q``.
 Computing ``logits = h @ W.T`` for a whole batch materialises ``[N, V]`` floats

@@ -6,7 +6,7 @@ keywords go to their ``init`` (``WANDB_MODE=offline`` works as usual). A
 missing package is a user error naming the extra.
 
 Every record is ``{"step": int, "time": seconds since the run started, ...metrics}``
-with flat, namespaced keys (CORRECTIONS.md §10; per sampler group as
+with flat, namespaced keys (docs/corrections.md §10; per sampler group as
 ``<metric>/<group>``). Non-finite values are written as JSON ``null`` in the
 JSONL file (JSON has no NaN) and skipped in TensorBoard.
 

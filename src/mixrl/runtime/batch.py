@@ -4,7 +4,7 @@ Advantages are GRPO's (``mixrl.corrections.grpo_advantages``): infrastructure
 failures are excluded from their group's statistics and get no loss; a group
 whose rewards are all equal gets advantage 0 (counted).
 
-Rollout metrics (CORRECTIONS.md §10), over the batch's episodes that did not
+Rollout metrics (docs/corrections.md §10), over the batch's episodes that did not
 fail for infrastructure reasons; per sampler group ``g`` over the episodes
 whose generated tokens came mostly from ``g`` (a session re-routed after a
 failure may span groups):

@@ -4,7 +4,7 @@ For every profile, the built-in engine generates from the same prompts with the
 same per-request seeds (common random numbers: profiles differ only through
 their numerics), recording log q of the sampled token and of its whole support.
 The trainer's full forward (FP32, or BF16 with ``--trainer-dtype bf16``) then
-scores exactly those tokens, and the CORRECTIONS.md §10 metrics are computed
+scores exactly those tokens, and the docs/corrections.md §10 metrics are computed
 with ``mixrl.corrections.metrics.mismatch_metrics``:
 
     mismatch/kl_k1, mismatch/kl_k3, mismatch/kl_exact, mismatch/tv, mismatch/ratio_oob

@@ -15,7 +15,7 @@ What is dropped and what is masked (counted either way, never a crash):
   that do not add up, duplicate candidates at a position, missing candidates
   the loss needs) is dropped whole: nothing in it can be aligned safely. The
   reason, naming the field, is kept in ``stats.errors``; ``strict=True`` raises it.
-- an ``infra_failed`` episode is dropped (CORRECTIONS.md §8: not reward 0).
+- an ``infra_failed`` episode is dropped (docs/corrections.md §8: not reward 0).
 - a non-finite sampler log-prob (or candidate log-prob, or advantage) is kept
   as is: ``compute_loss`` masks that position and counts it
   (``corr/nonfinite_tokens``); here it is only counted.

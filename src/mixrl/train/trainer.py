@@ -19,7 +19,7 @@ version::
 Because ``D`` is shared, k micro-batches give exactly the gradient of one batch.
 With one epoch and one minibatch ``p_old = p_θ.detach()`` (the update starts
 where the gradient is taken). Otherwise ``p_old`` is fixed by a first pass and
-the loss takes the decoupled three-policy form (CORRECTIONS.md §1): behaviour
+the loss takes the decoupled three-policy form (docs/corrections.md §1): behaviour
 weights use ``p_old / q``, the objective's ratio ``p_θ / p_old``.
 
 Precision ``bf16``: the model's parameters are cast to bfloat16 (the weights the

@@ -1,7 +1,7 @@
 """The sampling distribution q and a seeded draw from it.
 
 q is what the sampler actually samples from (the object the off-policy
-corrections need, CORRECTIONS.md): temperature, then top-k, then top-p on the
+corrections need, docs/corrections.md): temperature, then top-k, then top-p on the
 top-k-renormalized distribution (the order of HF's warpers and of vLLM):
 
     z = logits / T
