@@ -125,7 +125,9 @@ async def measure(repeats: int, concurrency: int, task: str, grade: bool, root: 
         "concurrent": await _concurrent(repo, concurrency, root), "repeats": repeats, "task": task,
         "root": root or HOST.episode_root(), "load_avg_1m": os.getloadavg()[0], "cpus": os.cpu_count(),
         "bounds": {"cgroup": f"v{tree.version}:{','.join(tree.controllers)}", "tmpfs": True,
-                   "seccomp": len(program()) // 8},  # seccomp: instructions in the filter
+                   "seccomp": len(program()) // 8,  # instructions in the filter
+                   # highest memory of all episodes together so far, and its cap
+                   "memory_peak_mb": round(tree.memory_peak() / 2**20, 1), "memory_cap_mb": tree.memory_cap >> 20},
     }
     if grade:
         t = time.perf_counter()
