@@ -32,7 +32,6 @@ the fork whose reply it carries.
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,6 +138,12 @@ def continuation_ids(chat: ChatFormat, new: list[dict[str, Any]], tools: list[An
     return _ids(chat, full[cut:], contents)
 
 
+def _clone(traj: Trajectory) -> Trajectory:
+    """A copy whose lists can grow apart (fields hold primitives: no deep copy needed)."""
+    return Trajectory(**{k: list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+                         for k, v in vars(traj).items()})
+
+
 @dataclass
 class Fork:
     traj: Trajectory  # the record up to and including this choice's reply
@@ -177,7 +182,7 @@ class SessionStore:
         if st.forks and key == st.tools_key and len(norm) > k + 1 and norm[:k] == st.prefix:
             for fork in st.forks:
                 if fork.reply == norm[k]:
-                    traj = copy.deepcopy(fork.traj)
+                    traj = _clone(fork.traj)
                     if not traj.tokens or traj.tokens[-1] not in self.chat.stop_ids:
                         _append_env(traj, [self.chat.end_of_turn_id])  # the reply was cut (length, stop string)
                     _append_env(traj, continuation_ids(self.chat, messages[k + 1:], tools))
@@ -196,7 +201,7 @@ class SessionStore:
         """Keep each choice (its result, the ids kept, the message returned) as a fork."""
         forks = []
         for res, ids, message in results:
-            traj = copy.deepcopy(base)
+            traj = _clone(base) if len(results) > 1 else base
             kept = GenerationResult(
                 token_ids=ids, logprobs=res.logprobs[: len(ids)],
                 cand_offsets=res.cand_offsets[: len(ids) + 1],

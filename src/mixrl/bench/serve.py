@@ -1,0 +1,207 @@
+"""The OpenAI-compatible endpoint against calling the sampler directly: ``mixrl bench serve --json``.
+
+Both arms run the same load in one invocation, on the same sampler replica
+(built-in engine, FP32 profile by default, one ``BatchingSampler``):
+
+- ``direct``: ``--sessions`` concurrent conversations of ``--turns`` turns,
+  each turn a ``GenerationRequest`` of the recorded ids (what a mixrl episode
+  does);
+- ``endpoint``: the same conversations as HTTP requests from the ``openai``
+  client to a real uvicorn server on loopback (templating, session recording,
+  tool-call parsing and JSON included). The server runs in this process, as
+  ``mixrl serve`` does; the agents' client code runs in a second process, as
+  agent code beside a server does (``--client-in-process`` puts it here).
+
+Requests carry the same seeds in both arms, so they sample the same tokens;
+``endpoint_over_direct`` is the ratio of generated tokens per second (goal
+>= 0.8 at 64 concurrent sessions), with requests/s and p50/p99 latency of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import time
+from typing import Any
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="bundled", help='"bundled" or an HF model directory')
+    parser.add_argument("--profile", default="fp32", help="sampler profile of the replica")
+    parser.add_argument("--sessions", type=int, default=64, help="concurrent conversations (>= 1)")
+    parser.add_argument("--turns", type=int, default=2, help="requests per conversation (>= 1)")
+    parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of each request")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    parser.add_argument("--max-wait-ms", type=float, default=20.0,
+                        help="the sampler's batching window, the same in both arms")
+    parser.add_argument("--client-in-process", action="store_true",
+                        help="run the endpoint arm's client code in this process")
+    parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: URL, run the client only
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return round(s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] * 1e3, 1)
+
+
+def _summary(wall: float, lat: list[float], tokens: int) -> dict[str, float]:
+    return {"wall_s": round(wall, 3), "requests_per_s": round(len(lat) / wall, 2),
+            "tokens_per_s": round(tokens / wall, 1), "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99),
+            "mean_ms": round(statistics.fmean(lat) * 1e3, 1), "generated_tokens": tokens}
+
+
+async def _direct(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[str, float]:
+    from mixrl.sampling.base import GenerationRequest, SamplingParams
+
+    lat: list[float] = []
+    tokens = 0
+
+    async def conversation(i: int) -> None:
+        nonlocal tokens
+        ids = chat.prompt(f"What is {i} + {i + 1}?")
+        for t in range(args.turns):
+            params = SamplingParams(max_new_tokens=args.max_tokens, stop_ids=chat.stop_ids, seed=i * 100 + t)
+            t0 = time.perf_counter()
+            res = await sampler.generate(GenerationRequest(list(ids), params, request_id=f"{i}/{t}"))
+            lat.append(time.perf_counter() - t0)
+            tokens += len(res.token_ids)
+            ids = ids + res.token_ids
+            if not res.token_ids or res.token_ids[-1] not in chat.stop_ids:
+                ids.append(chat.end_of_turn_id)
+            ids += chat.user_turn("And then?")
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(conversation(i) for i in range(args.sessions)))
+    return _summary(time.perf_counter() - t0, lat, tokens)
+
+
+async def _clients(url: str, args: argparse.Namespace) -> dict[str, float]:
+    """The endpoint arm's load: ``--sessions`` conversations through the ``openai`` client."""
+    import httpx
+    import openai
+
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=args.sessions + 8), timeout=600)
+    client = openai.AsyncOpenAI(base_url=url, api_key="bench", http_client=http, max_retries=0)
+    lat: list[float] = []
+    tokens = 0
+
+    async def conversation(i: int) -> None:
+        nonlocal tokens
+        msgs: list[dict[str, Any]] = [{"role": "user", "content": f"What is {i} + {i + 1}?"}]
+        for t in range(args.turns):
+            t0 = time.perf_counter()
+            r = await client.chat.completions.create(model="policy", messages=msgs, max_tokens=args.max_tokens,
+                                                     seed=i * 100 + t, extra_headers={"X-Session-ID": f"s{i}"})
+            lat.append(time.perf_counter() - t0)
+            tokens += r.usage.completion_tokens
+            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And then?"}]
+
+    await client.models.list()  # connection and client warm-up, outside the timing
+    try:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(i) for i in range(args.sessions)))
+        return _summary(time.perf_counter() - t0, lat, tokens)
+    finally:
+        await client.close()
+
+
+async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[str, float]:
+    import sys
+
+    import uvicorn
+
+    from mixrl.serve.app import make_app
+    from mixrl.serve.core import ServeCore
+
+    async def generate(session: str, request: Any) -> Any:
+        return await sampler.generate(request)
+
+    core = ServeCore(chat, generate, model="policy", max_total_tokens=4096, default_max_tokens=args.max_tokens)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(make_app(core, api_key="bench"), host="127.0.0.1", port=port,
+                                           log_level="warning", access_log=False, lifespan="off"))
+    server.install_signal_handlers = lambda: None
+    task = asyncio.ensure_future(server.serve())
+    while not server.started:
+        await asyncio.sleep(0.01)
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        if args.client_in_process:
+            out = await _clients(url, args)
+        else:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mixrl.bench.serve", "--client", url, "--sessions", str(args.sessions),
+                "--turns", str(args.turns), "--max-tokens", str(args.max_tokens),
+                stdout=asyncio.subprocess.PIPE)
+            stdout, _ = await proc.communicate()
+            if proc.returncode:
+                raise RuntimeError(f"the client process exited with {proc.returncode}")
+            out = json.loads(stdout.decode().strip().splitlines()[-1])
+        out["history_rewrites"] = core.sessions.history_rewrites
+        out["client"] = "in-process" if args.client_in_process else "separate process"
+        return out
+    finally:
+        server.should_exit = True
+        await task
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    from mixrl.envs.chat import ChatFormat
+    from mixrl.models.loading import resolve_model
+    from mixrl.sampling.batching import BatchingSampler
+    from mixrl.sampling.factory import make_engine
+
+    path = resolve_model(args.model)
+    from transformers import AutoTokenizer
+
+    chat = ChatFormat(AutoTokenizer.from_pretrained(str(path)))
+    engine = make_engine(str(path), args.profile, args.profile, seed=0, max_batch=args.sessions,
+                         num_threads=args.threads or None)
+    sampler = BatchingSampler(engine, max_batch=args.sessions, max_wait_ms=args.max_wait_ms)
+    await _direct(chat, sampler, argparse.Namespace(**{**vars(args), "sessions": 4, "turns": 1}))  # warm-up
+    arms = {}
+    for name, arm in (("direct", _direct), ("endpoint", _endpoint), ("direct_again", _direct)):
+        before = sampler.batches  # batches the engine ran: how well concurrent requests were gathered
+        arms[name] = await arm(chat, sampler, args)
+        arms[name]["engine_batches"] = sampler.batches - before
+    direct, endpoint, direct2 = arms["direct"], arms["endpoint"], arms["direct_again"]
+    await sampler.close()
+    best = max(direct["tokens_per_s"], direct2["tokens_per_s"])
+    return {"endpoint_over_direct": round(endpoint["tokens_per_s"] / best, 3),
+            "requests_over_direct": round(endpoint["requests_per_s"] / max(direct["requests_per_s"],
+                                                                           direct2["requests_per_s"]), 3),
+            "sessions": args.sessions, "max_wait_ms": args.max_wait_ms, "turns": args.turns, "max_tokens": args.max_tokens, "profile": args.profile,
+            "direct": direct, "direct_again": direct2, "endpoint": endpoint}
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.client:  # the endpoint arm's client process
+        print(json.dumps(asyncio.run(_clients(args.client, args))))
+        return 0
+    for name in ("sessions", "turns", "max_tokens"):
+        if getattr(args, name) < 1:
+            print(f"mixrl bench serve: --{name.replace('_', '-')} must be >= 1", flush=True)
+            return 2
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    res = asyncio.run(_run(args))
+    if args.json:
+        print(json.dumps(res))
+    else:
+        for k, v in res.items():
+            print(f"{k:24s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    _p = argparse.ArgumentParser()
+    configure(_p)
+    raise SystemExit(main(_p.parse_args()))
