@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 from sandbox_tables import record, register
@@ -241,3 +242,21 @@ def test_model_actions_are_tool_results_not_infra(chat, private_root):  # type: 
     ok = traj.status == "ok" and traj.reward == 1.0 and "textkit" in text
     record("chmod 000 /testbed, PATH_MAX name, then a fix", "tool results, graded normally", ok,
            f"status={traj.status} reward={traj.reward}")
+
+
+@needs_bwrap
+def test_logged_output_has_no_control_bytes(private_root):  # type: ignore[no-untyped-def]
+    """Code under test printing terminal escapes and control bytes: the grader's output kept
+    for logs has none of them, the text around them stays."""
+    from mixrl.envs.coding.grade import grade_patch
+
+    data = _task().data
+    # a collection error: pytest prints the message (with its real control bytes)
+    line = "raise RuntimeError('\\x1b[2J\\x1b]0;pwned\\x07LOUD\\r\\x08\\x9b' + 'TEXT')"
+    patch = f"--- /dev/null\n+++ b/textkit/noise.py\n@@ -0,0 +1 @@\n+{line}\n"
+    assert (Path(data["repo_dir"]) / "textkit" / "__init__.py").read_text() == ""  # the patch below adds a line
+    patch += "--- a/textkit/__init__.py\n+++ b/textkit/__init__.py\n@@ -0,0 +1 @@\n+import textkit.noise\n"
+    g = asyncio.run(grade_patch(data, patch))
+    bad = [c for c in g.output if (ord(c) < 32 and c not in "\n\t") or 0x7F <= ord(c) < 0xA0]
+    record("control bytes and ANSI escapes in logged output", "strip_control", "LOUD" in g.output and not bad,
+           f"{len(bad)} control characters kept in {len(g.output)} chars")

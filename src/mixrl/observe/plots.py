@@ -26,8 +26,10 @@ FLEET_STYLE = {"mixed": "-", "homogeneous": "--"}
 
 
 def kl_key(run: Run) -> str:
-    """Exact KL where the support was recorded, else k3 (k1 is too noisy to plot)."""
-    for k in ("mismatch/kl_exact", "mismatch/kl_k3"):
+    """The one KL of every arm: exact where the support was recorded, else k3 (k1 is too noisy),
+    over staleness-0 tokens (``precision/``, docs/corrections.md section 10); ``mismatch/``
+    only for runs written before the split."""
+    for k in ("precision/kl_exact", "precision/kl_k3", "mismatch/kl_exact", "mismatch/kl_k3"):
         if run.series(k)[1]:
             return k
     return "mismatch/kl_k3"
@@ -65,7 +67,7 @@ def plot_curves(runs: list[Run], out: Path, window: int = 5) -> Path:
                 continue
             ax.plot(xs, smooth(ys, window), FLEET_STYLE.get(run.fleet, "-"),
                     color=colors[run.arm], label=run.name, lw=1.4)
-        ax.set_title(title if key != "KL" else f"{title} ({kl_key(runs[0]).split('/')[-1]})")
+        ax.set_title(title if key != "KL" else f"{title} ({kl_key(runs[0]).replace('/', ' ')})")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if key == "KL":
@@ -93,7 +95,7 @@ def group_stats(run: Run) -> dict[str, dict[str, float]]:
             "kl": run.mean(f"{k}/{g}"),
             "share_samples": run.mean(f"share/samples/{g}"),
             "share_oob": run.mean(f"share/oob_tokens/{g}"),
-            "ratio_oob": run.mean(f"mismatch/ratio_oob/{g}"),
+            "ratio_oob": run.mean(f"{k.split('/')[0]}/ratio_oob/{g}"),
         }
         for g in run.groups()
     }
@@ -107,7 +109,7 @@ def plot_groups(run: Run, out: Path) -> Path | None:
     names = sorted(stats, key=lambda g: -_nz(stats[g]["kl"]))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 4.5))
     a1.bar(names, [_nz(stats[g]["kl"]) for g in names], color="tab:red")
-    a1.set_title(f"{run.name}: sampler-trainer KL per group ({kl_key(run).split('/')[-1]})")
+    a1.set_title(f"{run.name}: sampler-trainer KL per group ({kl_key(run).replace('/', ' ')})")
     x = range(len(names))
     a2.bar([i - 0.2 for i in x], [_nz(stats[g]["share_samples"]) for g in names], 0.4,
            label="share of samples")

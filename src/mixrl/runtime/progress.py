@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-KL_KEYS = ("mismatch/kl_exact", "mismatch/kl_k3")
+KL_KEYS = ("precision/kl_exact", "precision/kl_k3", "mismatch/kl_exact", "mismatch/kl_k3")  # precision first
 
 
 class ProgressBar:
