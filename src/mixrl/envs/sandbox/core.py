@@ -76,7 +76,13 @@ class Sandbox:
                 cg.remove()
                 raise
 
-        return await asyncio.to_thread(prepare)
+        task = asyncio.ensure_future(asyncio.to_thread(prepare))
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:  # the copy still finishes in its thread: do not leak it
+            with contextlib.suppress(Exception):
+                await (await task).close()
+            raise
 
     # -- running ------------------------------------------------------------------------
     async def _exec(self, inner: list[str], binds: list[tuple[str, str, bool]], cwd: str, timeout: float,
