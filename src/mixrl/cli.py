@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("mixrl.sampling.probe", "measure sampler-trainer mismatch of precision profiles"),
     "bench": ("mixrl.bench.cli", "benchmarks: loss, sampler, e2e (JSON with --json)"),
     "compare": ("mixrl.observe.compare", "run the correction arms on mixed and homogeneous fleets"),
+    "serve": ("mixrl.serve.cli", "an OpenAI-compatible server on a sampler fleet (localhost; API key when exposed)"),
     "report": ("mixrl.observe.report", "HTML + Markdown report of a run or compare directory"),
 }
 
