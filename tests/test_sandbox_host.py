@@ -190,3 +190,16 @@ def test_model_actions_are_not_our_failures(repo):  # type: ignore[no-untyped-de
     ok = ("after-chmod" in b.output and "pkg" in b.output and c.output.strip() == "200001" and "+x = 2" in diff)
     record("chmod 000 /testbed, 200 KB command, PATH_MAX name", "mode restored, stdin, guarded diff", ok,
            f"ls={b.output.split()[-1] if b.output.split() else ''} wc={c.output.strip()} diff ok={'+x = 2' in diff}")
+
+
+def test_cancelled_create_leaves_nothing(repo, private_root):  # type: ignore[no-untyped-def]
+    async def go():  # type: ignore[no-untyped-def]
+        t = asyncio.create_task(Sandbox.create(repo))
+        await asyncio.sleep(0.001)
+        t.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await t
+        await asyncio.sleep(0.2)
+
+    asyncio.run(go())
+    assert os.listdir(private_root) == []
