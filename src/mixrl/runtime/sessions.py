@@ -138,10 +138,17 @@ class Sessions:
 
         try:
             env = self.make_env(task)
-            traj = await self._run_episode(
-                env, generate, self.params, prompt_id=task.prompt_id, sample_idx=idx,
-                max_total_tokens=self.max_total_tokens, resume=resume,
-            )
+            # An environment that drives its own episode (agent code sampling through the
+            # in-run endpoint) has ``run_episode``; every other one is stepped by the runner.
+            runner = getattr(env, "run_episode", None)
+            if runner is not None:
+                traj = await runner(generate, self.params, prompt_id=task.prompt_id, sample_idx=idx,
+                                    max_total_tokens=self.max_total_tokens, resume=resume)
+            else:
+                traj = await self._run_episode(
+                    env, generate, self.params, prompt_id=task.prompt_id, sample_idx=idx,
+                    max_total_tokens=self.max_total_tokens, resume=resume,
+                )
             traj.info.pop("finish_reasons", None)
             completed = self.buffer.add(traj)
             self.finished += 1
