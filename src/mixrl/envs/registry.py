@@ -59,6 +59,9 @@ class Family:
 
 FAMILIES: dict[str, Family] = {}
 LAZY_FAMILIES: dict[str, str] = {"coding": "mixrl.envs.coding"}
+# Environments named by a prefix, built by a module imported on first use (its ``family(name)``):
+# ``openai_agent:PATH.py:FUNCTION`` runs agent code written against the openai client.
+PREFIXED: dict[str, str] = {"openai_agent:": "mixrl.serve.agent_env"}
 MIXES: dict[str, tuple[str, ...]] = {"mix": ("calc", "upper")}
 
 
@@ -116,6 +119,9 @@ def _import_target(name: str) -> Any:
 def get_family(name: str) -> Family:
     if name not in FAMILIES and name in LAZY_FAMILIES:
         importlib.import_module(LAZY_FAMILIES[name])  # registers itself on import
+    for prefix, module in PREFIXED.items():
+        if name not in FAMILIES and name.startswith(prefix):
+            FAMILIES[name] = importlib.import_module(module).family(name)
     if name not in FAMILIES and ":" in name:
         return _plugin(name, _import_target(name))
     if name not in FAMILIES:

@@ -130,7 +130,8 @@ class OpenAIAgentEnv(Env):
             client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                                         timeout=self.timeout_s, default_headers={"X-Session-ID": session})
             try:
-                out = await asyncio.wait_for(self.agent(client, dict(self.task.data)), timeout=self.timeout_s)
+                row = {k: v for k, v in self.task.data.items() if not k.startswith("_")}  # the dataset's own columns
+                out = await asyncio.wait_for(self.agent(client, row), timeout=self.timeout_s)
                 reward, info = _reward(out)
                 status = "ok" if reward is not None else "agent_failed"
             except asyncio.CancelledError:
@@ -159,6 +160,17 @@ class OpenAIAgentEnv(Env):
 
     async def close(self) -> None:
         pass
+
+
+def family(name: str) -> Any:
+    """The registry's family for ``env.name = "openai_agent:SPEC"``: rows come from ``[data]``."""
+    from mixrl.envs.registry import Family
+
+    try:
+        make_env = make_agent_family(name)
+    except ValueError as e:
+        raise ValueError(str(e)) from None
+    return Family(name, None, make_env, 0)
 
 
 def make_agent_family(name: str) -> Callable[..., OpenAIAgentEnv]:
