@@ -6,3 +6,7 @@ close to on-policy. See docs in the repository for the layers.
 """
 
 __version__ = "0.1.0"
+
+from mixrl.runtime.quiet import install_filters as _quiet  # noqa: E402 - torchao's missing-CUDA-kernel warnings
+
+_quiet()

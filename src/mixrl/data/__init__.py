@@ -19,13 +19,14 @@ from mixrl.data.source import DatasetSource
 
 __all__ = ["DataError", "DatasetSource", "describe", "load_rows", "open_split"]
 
-_CACHE: dict[tuple[str, str, float | None, int, str], tuple[Any, str]] = {}
+_CACHE: dict[tuple[Any, ...], tuple[Any, str]] = {}
 
 
 def _rows(data: Any, split: str, split_seed: int) -> tuple[Any, str]:
     """(rows, digest) of ``split`` ("train" | "heldout"); ``split_seed`` seeds ``heldout_fraction``."""
     seed = split_seed
-    key = (str(data.train), split, data.heldout_fraction, seed, str(data.heldout))
+    key = (str(data.train), split, data.heldout_fraction, seed, str(data.heldout),
+           _stamp(data.train), _stamp(data.heldout))  # a file edited in place is read again
     if key in _CACHE:
         return _CACHE[key]
     if split == "heldout" and data.heldout is not None:
@@ -42,6 +43,16 @@ def _rows(data: Any, split: str, split_seed: int) -> tuple[Any, str]:
     out = (rows, fingerprint(rows))
     _CACHE[key] = out
     return out
+
+
+def _stamp(spec: str | None) -> tuple[int, int]:
+    from pathlib import Path
+
+    p = Path(spec).expanduser() if spec else None
+    if p is None or not p.exists():
+        return (0, 0)
+    files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+    return (max((f.stat().st_mtime_ns for f in files), default=0), sum(f.stat().st_size for f in files))
 
 
 def open_split(data: Any, split: str, seed: int, family: str, split_seed: int = 0) -> DatasetSource:

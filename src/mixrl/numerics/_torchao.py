@@ -3,9 +3,9 @@
 On a machine without CUDA, importing torchao logs one warning per CUDA
 extension it cannot load and torch logs pytree deprecation notes; none of them
 concern the pure-torch reference code used here. The extension warnings are
-dropped by a filter on the ``torchao`` logger (installed when this module is
-imported, whoever imports torchao first); the pytree notes are muted during
-the import (the logger's level is restored afterwards).
+dropped by a filter on the ``torchao`` logger (``mixrl.runtime.quiet``,
+installed by ``import mixrl``, whoever imports torchao first); the pytree
+notes are muted during the import (the logger's level is restored afterwards).
 """
 
 from __future__ import annotations
@@ -14,16 +14,10 @@ import functools
 import logging
 from types import SimpleNamespace
 
-
-class _NoMissingKernels(logging.Filter):
-    """Drop torchao's "Failed to load <extension>.so" warnings (CUDA-only kernels)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = str(record.msg)
-        return not (msg.startswith("Failed to load") and ".so" in msg)
+from mixrl.runtime.quiet import install_filters
 
 
-logging.getLogger("torchao").addFilter(_NoMissingKernels())
+install_filters()  # also run by ``import mixrl``; kept here for direct imports of this module
 
 
 @functools.cache

@@ -23,7 +23,24 @@ _ENV = {
     "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
     "TOKENIZERS_PARALLELISM": "false",
     "WANDB_SILENT": "true",
+    "TORCH_LOGS": "-torch",  # torch's own loggers at ERROR in worker processes too (the _pytree notes)
 }
+class _NoMissingKernels(logging.Filter):
+    """Drop torchao's "Failed to load <extension>.so" warnings (CUDA-only kernels)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = str(record.msg)
+        return not (msg.startswith("Failed to load") and ".so" in msg)
+
+
+def install_filters() -> None:
+    """Cheap and import-free: run by ``import mixrl`` in every process (workers included)."""
+    lg = logging.getLogger("torchao")
+    if not any(isinstance(f, _NoMissingKernels) for f in lg.filters):
+        lg.addFilter(_NoMissingKernels())
+    os.environ.setdefault("TORCH_LOGS", "-torch")  # read when torch is imported: the _pytree notes
+
+
 _LOGGERS = ("torchao", "torch.utils._pytree", "transformers", "datasets", "huggingface_hub", "accelerate", "peft")
 _done = False
 

@@ -107,7 +107,7 @@ class _RunSinks:
         g = groups[0]
         best = max(g, key=lambda t: -1.0 if t.reward is None else float(t.reward))
         with open(self._episodes, "a") as f:
-            for t in dict.fromkeys([g[0], best]):
+            for t in [g[0]] + ([best] if best is not g[0] else []):
                 f.write(json.dumps(episode_record(step, t, self._tok), default=float) + "\n")
 
     def write(self, step: int, t: float, m: dict[str, Any]) -> None:
