@@ -28,6 +28,7 @@ BENCHES: dict[str, tuple[str, str]] = {
     "e2e": ("mixrl.bench.e2e", "end-to-end training throughput of a short run"),
     "serve": ("mixrl.bench.serve", "OpenAI-compatible endpoint vs the sampler called directly, same load"),
     "sandbox": ("mixrl.bench.sandbox", "sandbox start-up latency and concurrent episodes"),
+    "trainer": ("mixrl.bench.trainer", "trainer peak memory vs batch size at a token budget; packed vs padded tokens/s"),
     "moe": ("mixrl.bench.moe", "MoE routing mismatch and the KL with and without routing replay"),
 }
 

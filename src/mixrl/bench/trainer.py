@@ -1,0 +1,289 @@
+"""``mixrl bench trainer [--json]``: trainer memory and throughput under a token budget.
+
+The trainer is the one ``mixrl train`` builds (``runtime.trainer_state.build_trainer``
+on the demo config, loss preset ``sc+mis+top-p``), fed real trajectories of the
+calculator task sampled once from the bundled policy by the built-in engine
+(multi-turn, top-p support recorded, the demo's token limits); larger batches
+repeat them. Measurements, each a named entry of ``MEASUREMENTS`` (a function
+``(args, data) -> dict`` whose keys go into the JSON object; add one there):
+
+- ``memory``: peak memory of one update with 128 / 512 / 1,024 trajectories at
+  the fixed budget ``--budget`` (``optim.micro_batch_tokens``), packing on. Each
+  size runs in a fresh subprocess with glibc's mmap threshold at 128 KiB
+  (``MALLOC_MMAP_THRESHOLD_``: large tensors are their own mappings and go back
+  to the kernel when freed, so the resident set follows live tensors). The
+  subprocess loads the model and the trajectories, runs one warm-up update
+  (AdamW allocates its moments), resets the kernel's high-water mark
+  (``/proc/self/clear_refs`` = 5) and runs one update: ``peak_mb_<n>`` is
+  ``VmHWM`` minus the resident size before it (what one update adds: batch
+  tensors, activations, gradients, metrics), ``rss_peak_mb_<n>`` the whole
+  process's ``VmHWM``. ``peak_mb_1024_over_128`` is their ratio (goal <= 1.3).
+  ``--unbounded`` also measures 128 and 1,024 with no budget and no packing
+  (one forward over the whole padded batch: the behaviour without a budget).
+- ``packing``: trainer tokens/s (real tokens of the trajectories per second of
+  ``Trainer.step``) on ``--batch`` trajectories of the calculator length mix,
+  packed vs padded at the same budget, two trainers from the same weights
+  measured alternately in one process (median of ``--repeats`` after one
+  warm-up each): ``packed_over_padded`` (goal >= 1.3), with the model-input
+  tokens each spends (padding included) and the fraction that is padding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+SIZES = (128, 512, 1024)
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--budget", type=int, default=_default_budget(),
+                        help="optim.micro_batch_tokens (default: the config default)")
+    parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="trajectories per update for memory")
+    parser.add_argument("--batch", type=int, default=256, help="trajectories per update for tokens/s")
+    parser.add_argument("--repeats", type=int, default=3, help="timed updates per variant (median)")
+    parser.add_argument("--episodes", type=int, default=128, help="distinct calculator episodes sampled")
+    parser.add_argument("--only", default=None, help=f"comma-separated measurements ({', '.join(MEASUREMENTS)})")
+    parser.add_argument("--unbounded", action="store_true", help="also measure memory without a budget")
+    parser.add_argument("--model", default="bundled", help='policy: "bundled" or an HF directory')
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--no-budget", action="store_true", help=argparse.SUPPRESS)
+
+
+# ------------------------------------------------------------------ shared pieces
+
+
+def _default_budget() -> int:
+    from mixrl.config.run import OptimConfig
+
+    return int(OptimConfig.model_fields["micro_batch_tokens"].default)
+
+
+def run_config(model_path: str, budget: int | None, packing: bool, seed: int, threads: int) -> Any:
+    """The demo's run config with the trainer settings under test."""
+    from mixrl.config.run import load_config
+
+    sets = [f'model.path="{model_path}"', f"runtime.seed={seed}", f"runtime.torch_threads={threads}",
+            f"optim.packing={'true' if packing else 'false'}"]
+    if budget is not None:
+        sets.append(f"optim.micro_batch_tokens={budget}")
+    return load_config(None, sets)
+
+
+def sample_episodes(model_path: str, n: int, seed: int, threads: int) -> list[dict[str, Any]]:
+    """``n`` calculator episodes (demo limits, the preset's top-p support recorded)."""
+    import asyncio
+
+    from mixrl.envs.chat import ChatFormat
+    from mixrl.envs.registry import make_env, make_task_source
+    from mixrl.models.policy import load_policy
+    from mixrl.rollout.session import run_episode
+    from mixrl.runtime.run import resolve_loss
+    from mixrl.sampling.base import SamplingParams
+    from mixrl.sampling.batching import BatchingSampler
+    from mixrl.sampling.factory import make_engine
+
+    cfg = run_config(model_path, None, True, seed, threads)
+    _, derived = resolve_loss(cfg)
+    _, tok = load_policy(model_path)
+    chat = ChatFormat(tok)
+    src = make_task_source(cfg.env.name, "train", seed=seed)
+    engine = make_engine(model_path, "fp32", "fp32", seed=seed, num_threads=threads)
+    params = SamplingParams(temperature=cfg.rollout.temperature, top_p=derived.top_p,
+                            max_new_tokens=cfg.rollout.max_new_tokens, record=derived.record,
+                            stop_ids=(chat.end_of_turn_id,))
+    G = cfg.rollout.group_size
+    tasks = [src[i] for i in range((n + G - 1) // G)]
+
+    async def run_all() -> list[Any]:
+        sampler = BatchingSampler(engine)
+        try:
+            return list(await asyncio.gather(*[
+                run_episode(make_env(t, chat, **cfg.env.options), sampler.generate, params, prompt_id=t.prompt_id,
+                            sample_idx=j, max_total_tokens=cfg.rollout.max_total_tokens)
+                for t in tasks for j in range(G)]))
+        finally:
+            await sampler.close()
+
+    trajs = [t for t in asyncio.run(run_all()) if t.status != "infra_failed"][:n]
+    return [t.to_dict() for t in trajs]
+
+
+def batch_of(data: list[dict[str, Any]], n: int, seed: int) -> tuple[list[Any], list[float]]:
+    """``n`` trajectories (the sampled ones, repeated) and seeded advantages."""
+    import torch
+
+    from mixrl.rollout.types import Trajectory
+
+    trajs = [Trajectory.from_dict(data[i % len(data)]) for i in range(n)]
+    for i, t in enumerate(trajs):  # repeats are new groups
+        t.prompt_id = f"{t.prompt_id}/{i // len(data)}"
+    adv = torch.randn(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return trajs, adv
+
+
+def make_trainer(model_path: str, budget: int | None, packing: bool, seed: int, threads: int) -> Any:
+    from mixrl.runtime.run import resolve_loss
+    from mixrl.runtime.trainer_state import build_trainer
+
+    cfg = run_config(model_path, budget, packing, seed, threads)
+    loss_cfg, _ = resolve_loss(cfg)
+    if budget is None:  # no budget: the whole update in one forward
+        cfg.optim.micro_batch_tokens = 1 << 26
+    return build_trainer(cfg, model_path, loss_cfg)[0]
+
+
+# ------------------------------------------------------------------ memory
+
+
+def _status_kb() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in f) if k in ("VmRSS", "VmHWM")}
+
+
+def _memory_child(args: argparse.Namespace) -> dict[str, float]:
+    import gc
+
+    data = json.loads(Path(args.data).read_text())
+    budget = None if args.no_budget else args.budget
+    trainer = make_trainer(args.model, budget, not args.no_budget, args.seed, args.threads)
+    trajs, adv = batch_of(data, args.memory_child, args.seed)
+    trainer.step(trajs, adv)  # warm-up: AdamW moments, thread pools
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # reset VmHWM to the current resident size
+    base = _status_kb()["VmRSS"]
+    m = trainer.step(trajs, adv)
+    st = _status_kb()
+    return {"peak_mb": (st["VmHWM"] - base) / 1024, "rss_peak_mb": st["VmHWM"] / 1024,
+            "tokens": m["train/tokens"]}
+
+
+def _peak(args: argparse.Namespace, data_path: str, n: int, bounded: bool) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "mixrl.bench.trainer", "--memory-child", str(n), "--data", data_path,
+           "--budget", str(args.budget), "--model", args.model, "--seed", str(args.seed),
+           "--threads", str(args.threads)] + ([] if bounded else ["--no-budget"])
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"memory subprocess for {n} trajectories failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure_memory(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
+    sizes = [int(s) for s in args.sizes.split(",")]
+    res: dict[str, Any] = {"budget_tokens": args.budget}
+    for n in sizes:
+        r = _peak(args, data["path"], n, True)
+        res[f"peak_mb_{n}"], res[f"rss_peak_mb_{n}"] = round(r["peak_mb"], 1), round(r["rss_peak_mb"], 1)
+    if 128 in sizes and 1024 in sizes:
+        res["peak_mb_1024_over_128"] = res["peak_mb_1024"] / max(res["peak_mb_128"], 1e-9)
+    if args.unbounded:
+        for n in (128, 1024):
+            r = _peak(args, data["path"], n, False)
+            res[f"unbounded_peak_mb_{n}"] = round(r["peak_mb"], 1)
+    res["memory_method"] = "fresh subprocess per size, MALLOC_MMAP_THRESHOLD_=131072, VmHWM - VmRSS over one update"
+    return res
+
+
+# ------------------------------------------------------------------ packed vs padded
+
+
+def measure_packing(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
+    from mixrl.train.packing import micro_batches, used_len
+
+    trajs, adv = batch_of(data["episodes"], args.batch, args.seed)
+    real = sum(len(t.tokens) for t in trajs)
+    variants = {name: make_trainer(args.model, args.budget, packed, args.seed, args.threads)
+                for name, packed in (("padded", False), ("packed", True))}
+    times: dict[str, list[float]] = {k: [] for k in variants}
+    for rnd in range(args.repeats + 1):
+        for name, tr in variants.items():  # alternated: load from other processes hits both alike
+            t0 = time.perf_counter()
+            tr.step(trajs, adv)
+            if rnd:  # round 0 is the warm-up
+                times[name].append(time.perf_counter() - t0)
+    res: dict[str, Any] = {"packing_batch": args.batch, "packing_real_tokens": real}
+    records = variants["packed"]._prepare(trajs, adv, False)[0]
+    for name, tr in variants.items():
+        s = statistics.median(times[name])
+        res[f"{name}_tokens_per_s"] = real / s
+        res[f"{name}_step_s"] = s
+        plan = micro_batches(records, args.budget, packed=tr.packing)
+        fed = sum(mb.tokens for mb in plan)
+        res[f"{name}_model_tokens"], res[f"{name}_micro_batches"] = fed, len(plan)
+        res[f"{name}_padding_frac"] = 1 - sum(used_len(r) for r in records) / fed if fed else 0.0
+    res["packed_over_padded"] = res["packed_tokens_per_s"] / res["padded_tokens_per_s"]
+    return res
+
+
+# name -> measurement; each returns keys of the JSON object (add new ones here)
+MEASUREMENTS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], dict[str, Any]]] = {
+    "memory": measure_memory,
+    "packing": measure_packing,
+}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from mixrl.models.policy import resolve
+
+    if args.budget < 16 or args.batch < 1 or args.repeats < 1 or args.episodes < 1:
+        raise ValueError("--budget must be >= 16; --batch, --repeats and --episodes >= 1")
+    names = list(MEASUREMENTS) if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = [n for n in names if n not in MEASUREMENTS]
+    if unknown:
+        raise ValueError(f"--only: unknown measurement(s) {unknown}; known: {list(MEASUREMENTS)}")
+    torch.set_num_threads(args.threads)
+    args.model = str(resolve(args.model))  # builds the bundled policy once, before the subprocesses
+    load0 = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    episodes = sample_episodes(args.model, args.episodes, args.seed, args.threads)
+    lens = sorted(len(e["tokens"]) for e in episodes)
+    res: dict[str, Any] = {"episodes": len(episodes), "length_min": lens[0], "length_median": lens[len(lens) // 2],
+                           "length_max": lens[-1], "sample_s": time.perf_counter() - t0, "threads": args.threads}
+    with tempfile.TemporaryDirectory(prefix="mixrl-bench-trainer-") as tmp:
+        path = Path(tmp) / "episodes.json"
+        path.write_text(json.dumps(episodes))
+        data = {"episodes": episodes, "path": str(path)}
+        for name in names:
+            res.update(MEASUREMENTS[name](args, data))
+    res["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    return res
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.memory_child is not None:
+        print(json.dumps(_memory_child(args)))
+        return 0
+    try:
+        res = run(args)
+    except ValueError as e:
+        print(f"mixrl bench trainer: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    for k, v in res.items():
+        print(f"{k:26s} {v:.4g}" if isinstance(v, float) else f"{k:26s} {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    _p = argparse.ArgumentParser(prog="mixrl bench trainer")
+    configure(_p)
+    raise SystemExit(main(_p.parse_args()))
