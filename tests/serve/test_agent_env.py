@@ -121,6 +121,8 @@ def test_agent_episodes_train_on_the_exact_record(setup) -> None:
                   for j, (m, q) in enumerate(zip(t.loss_mask, t.sampler_logprobs, strict=True)) if m]
         assert ratios and max(abs(r - 1) for r in ratios) < 1e-5  # FP32 identity: every ratio 1 within 1e-5
         assert len(t.cand_offsets) == sum(t.loss_mask) + 1 and t.cand_kind == "support"
+        # the run's parameters, not the agent's, are what sampled every reply, and are recorded
+        assert t.info["sampling"] == [{"temperature": 1.0, "top_p": 1.0, "top_k": 0}] * t.turns
 
 
 def test_agent_failures_are_episode_errors_not_zero_reward(setup) -> None:

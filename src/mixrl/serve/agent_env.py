@@ -117,14 +117,18 @@ class OpenAIAgentEnv(Env):
                                      model=self.model)
         turn = 0
 
+        def adapt(requested: SamplingParams) -> SamplingParams:
+            # the run's distribution (temperature, top-p/k, candidates); the agent's length and stops
+            return dataclasses.replace(params, max_new_tokens=min(requested.max_new_tokens, params.max_new_tokens),
+                                       stop_ids=requested.stop_ids, seed=requested.seed)
+
         async def run_params(req: GenerationRequest) -> GenerationResult:
             nonlocal turn
             turn += 1
-            p = dataclasses.replace(params, max_new_tokens=min(req.params.max_new_tokens, params.max_new_tokens),
-                                    stop_ids=req.params.stop_ids)
             rid = f"{prompt_id}#{sample_idx}/agent{turn}/{req.request_id.rsplit('/', 1)[-1]}"
-            return await generate(GenerationRequest(req.prompt_ids, p, request_id=rid))
+            return await generate(GenerationRequest(req.prompt_ids, req.params, request_id=rid))
 
+        run_params.adapt = adapt  # type: ignore[attr-defined]
         status, reward, info = "ok", None, {}
         with ep.episode(run_params) as (session, base_url, api_key):
             client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,

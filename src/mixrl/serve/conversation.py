@@ -38,6 +38,7 @@ from typing import Any
 
 from mixrl.envs.chat import ChatFormat
 from mixrl.envs.untrusted import encode_untrusted
+from mixrl.rollout.screen import record_sampling
 from mixrl.rollout.session import _append_env, _append_generated
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationResult
@@ -197,8 +198,10 @@ class SessionStore:
         st.prefix, st.tools_key, st.forks = norm, key, []
         return traj
 
-    def record(self, st: SessionState, base: Trajectory, results: list[tuple[GenerationResult, list[int], dict]]) -> None:
-        """Keep each choice (its result, the ids kept, the message returned) as a fork."""
+    def record(self, st: SessionState, base: Trajectory, results: list[tuple[GenerationResult, list[int], dict]],
+               params: Any) -> None:
+        """Keep each choice (its result, the ids kept, the message returned) as a fork;
+        ``params`` (the ``SamplingParams`` really used) are recorded with each result."""
         forks = []
         for res, ids, message in results:
             traj = _clone(base) if len(results) > 1 else base
@@ -211,6 +214,7 @@ class SessionStore:
                 finish_reason=res.finish_reason,
             )  # fmt: skip
             _append_generated(traj, kept)
+            record_sampling(traj, params)
             traj.turns += 1
             forks.append(Fork(traj, normalize(message)))
         st.forks = forks

@@ -30,6 +30,9 @@ from mixrl.serve import toolcalls
 from mixrl.serve.conversation import SessionStore
 
 Generate = Callable[[str, GenerationRequest], Awaitable[GenerationResult]]
+# (session, the request's parameters) -> the parameters really used (an in-run endpoint
+# imposes the run's temperature, top-p and candidate recording); recorded per result.
+Adapt = Callable[[str, SamplingParams], SamplingParams]
 
 
 class ApiError(Exception):
@@ -55,8 +58,10 @@ def _num(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -
 
 class ServeCore:
     def __init__(self, chat: ChatFormat, generate: Generate, *, model: str, max_total_tokens: int,
-                 default_max_tokens: int = 256, record: str = "support", tool_parser: str = "auto") -> None:
+                 default_max_tokens: int = 256, record: str = "support", tool_parser: str = "auto",
+                 adapt: Adapt | None = None) -> None:
         self.chat, self.generate, self.model = chat, generate, model
+        self.adapt = adapt
         self.max_total_tokens, self.default_max_tokens = max_total_tokens, default_max_tokens
         self.record, self.tool_parser = record, tool_parser
         self.sessions = SessionStore(chat)
@@ -150,6 +155,8 @@ class ServeCore:
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
             params, n, stop = self._params(body, len(base.tokens), st)
+            if self.adapt is not None:
+                params = self.adapt(session, params)
             results = await self._choices(session, base, params, n)
             choices, recorded = [], []
             for i, res in enumerate(results):
@@ -165,7 +172,7 @@ class ServeCore:
                 choices.append(choice)
                 recorded.append((res, ids, message))
                 self.counts["generated_tokens"] += len(ids)
-            self.sessions.record(st, base, recorded)
+            self.sessions.record(st, base, recorded, params)
         if ephemeral:
             self.sessions.finish(session)
         self.counts["requests"] += 1

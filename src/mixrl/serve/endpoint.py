@@ -59,7 +59,12 @@ class InRunEndpoint:
                 raise ApiError(400, "unknown session: use the X-Session-ID this episode was given", param="user")
             return await fn(request)
 
-        core = ServeCore(chat, generate, model=model, max_total_tokens=max_total_tokens, record=record)
+        def adapt(session: str, params: Any) -> Any:
+            fn = routes.get(session)
+            adapt_fn = getattr(fn, "adapt", None)
+            return adapt_fn(params) if adapt_fn is not None else params
+
+        core = ServeCore(chat, generate, model=model, max_total_tokens=max_total_tokens, record=record, adapt=adapt)
         api_key = secrets.token_urlsafe(24)
         with socket.socket() as s:  # a free loopback port
             s.bind(("127.0.0.1", 0))
