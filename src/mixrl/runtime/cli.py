@@ -66,6 +66,8 @@ def resolve_paths(cfg: Any, base: Path | None) -> None:
         mod, sep, name = spec.rpartition(":")
         return f"{_resolve(mod, base)}:{name}" if sep and mod.endswith(".py") else spec
 
+    if cfg.env.name.startswith("openai_agent:"):  # openai_agent:PATH.py:FUNCTION
+        cfg.env.name = "openai_agent:" + fn(cfg.env.name[len("openai_agent:"):])
     if cfg.reward.function is not None:
         cfg.reward.function = fn(cfg.reward.function)
     if cfg.reward.functions:
