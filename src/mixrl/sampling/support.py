@@ -77,3 +77,18 @@ def check_model(model_path: str, engines: set[str] | list[str] | tuple[str, ...]
     from transformers import AutoConfig
 
     check_architecture(AutoConfig.from_pretrained(model_path), engines)
+
+
+def check_fleet(model_path: str, profiles: Any) -> None:
+    """At run start-up: every group's engine can run the model, else ``ConfigError`` naming
+    the group, the architecture and the engines that can (``profiles``: group -> Profile)."""
+    from transformers import AutoConfig
+
+    from mixrl.config.run import ConfigError
+
+    cfg = AutoConfig.from_pretrained(model_path)
+    for group, prof in profiles.items():
+        try:
+            check_architecture(cfg, (getattr(prof, "engine", "builtin"),))
+        except UnsupportedArchitectureError as e:
+            raise ConfigError(f"fleet.groups[{group!r}].profile: {getattr(prof, 'name', prof)!r}: {e}") from None
