@@ -135,3 +135,18 @@ class Sampler(abc.ABC):
 
 class ReplicaFailure(RuntimeError):
     """The replica (not the request) failed: the session must continue elsewhere."""
+
+
+def extend_routing(
+    routed: list[list[list[int]]] | None, n_before: int, res: GenerationResult
+) -> list[list[list[int]]] | None:
+    """A trajectory's ``routed_experts`` after appending ``res``'s tokens (``n_before``
+    generated tokens already in it). Tokens of a result that recorded no routing (another
+    engine, a partial rollout) get -1 sets, which the trainer routes freely."""
+    new = res.routed_experts
+    if new is None and routed is None:
+        return None
+    shape = (new or routed or [[[]]])[0]
+    hole = [[-1] * len(shape[0]) for _ in shape]
+    before = routed if routed is not None else [hole] * n_before
+    return before + (new if new is not None else [hole] * len(res.token_ids))
