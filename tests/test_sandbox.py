@@ -352,7 +352,7 @@ def test_proc_and_environment(repo, monkeypatch):  # type: ignore[no-untyped-def
                         f"tr '\\0' ' '; test -e /proc/{os.getpid()}/cmdline && cat /proc/{os.getpid()}/cmdline; env"))
     lines = r.output.splitlines()
     n = int(lines[0])
-    assert "prlimit" in r.output and "PATH=/opt/bin" in r.output  # positive control: it could read its own
+    assert "ulimit" in r.output and "PATH=/opt/bin" in r.output  # positive control: it could read its own
     ok = n <= 6 and "pytest" not in r.output and "hunter2" not in r.output and "site-packages" not in r.output
     record("host processes, environment, paths via /proc", "private pid ns, clean env, --args", ok,
            f"{n} pids visible, no host process or variable")

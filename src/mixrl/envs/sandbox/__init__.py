@@ -39,7 +39,7 @@ processes          cgroup ``pids.max`` per episode, plus ``RLIMIT_NPROC`` per us
 CPU                cgroup CPU quota (``cpus``), plus ``RLIMIT_CPU`` per process
 disk, inodes       the episode's tmpfs ``size=`` and ``nr_inodes=``; a command that fills
                    it is killed (``killed_by == "disk"``)
-per process        ``prlimit``: address space, file size, open files, no core dumps
+per process        ``ulimit``: address space, file size, open files, no core dumps
 wall time          the cgroup is SIGKILLed
 =================  =====================================================================
 

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from mixrl.envs.sandbox.limits import HOST, SandboxError, SandboxLimits
 
 PERIOD_US = 100_000
-BWRAP_PROCS = 4  # bwrap's monitor and init, prlimit, bash: beyond the model's own processes
+BWRAP_PROCS = 4  # bwrap's monitor and init, bash, one spare: beyond the model's own processes
 
 
 def _write(path: str, value: str) -> None:

@@ -30,14 +30,14 @@ from mixrl.envs.sandbox import reaper, seccomp
 from mixrl.envs.sandbox.cgroup import Cgroup, hierarchy
 from mixrl.envs.sandbox.fs import EpisodeFS
 from mixrl.envs.sandbox.limits import HOST, DiffError, ExecResult, SandboxError, SandboxLimits
-from mixrl.envs.sandbox.runtime import WORKDIR, bwrap_options, prlimit_prefix, runtime
+from mixrl.envs.sandbox.runtime import WORKDIR, bwrap_options, limited, runtime, ulimits
 from mixrl.envs.sandbox.treediff import DIFF_EXCLUDES, TREEDIFF
 
 SANDBOX_UID = 65534  # host uid the sandbox runs as when we are root (nobody)
 DISK_POLL_S = 0.1  # how often a running command's filesystem is checked for being full
-# bash reads the whole command from stdin (up to EOF) before running any of it, then the
-# command's own stdin is /dev/null as before.
-SOURCE_STDIN = ["/bin/bash", "-c", "IFS= read -r -d '' __cmd; exec </dev/null; eval \"$__cmd\""]
+# bash sets the limits, reads the whole command from stdin (up to EOF) before running any
+# of it, then the command's own stdin is /dev/null.
+READ_EVAL = "IFS= read -r -d '' __cmd; exec </dev/null; eval \"$__cmd\""
 
 
 class Sandbox:
@@ -103,7 +103,7 @@ class Sandbox:
             sc_w = -1
             # env={}: bwrap's init (pid 1 inside) keeps bwrap's environment, readable in /proc/1/environ.
             proc = await asyncio.create_subprocess_exec(
-                runtime().bwrap, "--args", str(args_r), *prlimit_prefix(self.limits), *inner,
+                runtime().bwrap, "--args", str(args_r), *inner,
                 stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
                 pass_fds=(wfd, args_r, sc_r), env={}, user=self.uid, group=self.uid,
@@ -205,7 +205,8 @@ class Sandbox:
             raise SandboxError("Sandbox.run after close")
         t = self.limits.wall_seconds if timeout is None else float(timeout)
         script = cmd.encode("utf-8", errors="surrogateescape").replace(b"\0", b"")
-        res = await self._exec(SOURCE_STDIN, [(self.work, WORKDIR, True), *binds], WORKDIR, t,
+        inner = ["/bin/bash", "-c", f"{ulimits(self.limits)}; {READ_EVAL}"]
+        res = await self._exec(inner, [(self.work, WORKDIR, True), *binds], WORKDIR, t,
                                self.limits.output_bytes, stdin=script, watch_disk=True)
         if res.killed_by is None and self.fs.full():
             res.killed_by = "disk"
@@ -220,7 +221,8 @@ class Sandbox:
         a patch carries text edits only. Raises ``DiffError`` when the diff is over
         ``diff_bytes``, times out or fails on the model's tree, ``SandboxError`` on ours.
         """
-        res = await self._exec([runtime().python, "-I", "-S", "-c", TREEDIFF, ",".join(DIFF_EXCLUDES)],
+        res = await self._exec(limited(self.limits, [runtime().python, "-I", "-S", "-c", TREEDIFF,
+                                                     ",".join(DIFF_EXCLUDES)]),
                                [(self.snapshot, "/d/a", False), (self.work, "/d/b", False)], "/d",
                                self.limits.wall_seconds, self.limits.diff_bytes + 1)
         if res.timed_out or res.truncated or len(res.output) > self.limits.diff_bytes:

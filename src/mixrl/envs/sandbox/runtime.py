@@ -95,8 +95,14 @@ def bwrap_options(lim: SandboxLimits, binds: list[tuple[str, str, bool]], cwd: s
     return a
 
 
-def prlimit_prefix(lim: SandboxLimits) -> list[str]:
-    """Per-process limits, set inside by ``prlimit`` before the command."""
-    return ["/usr/bin/prlimit", f"--cpu={lim.cpu_seconds}:{lim.cpu_seconds + 1}", f"--as={lim.memory_bytes}",
-            f"--nproc={lim.max_procs}", f"--fsize={lim.file_size_bytes}", f"--nofile={lim.open_files}",
-            "--core=0", "--"]
+def ulimits(lim: SandboxLimits) -> str:
+    """Per-process limits as bash ``ulimit`` calls (no ``prlimit`` exec: one process less per
+    command); a limit that cannot be set stops the command (exit 125) instead of running it."""
+    return (f"ulimit -c 0 -n {lim.open_files} -f {lim.file_size_bytes // 1024} -u {lim.max_procs} "
+            f"-v {lim.memory_bytes // 1024} && ulimit -S -t {lim.cpu_seconds} && "
+            f"ulimit -H -t {lim.cpu_seconds + 1} || exit 125")
+
+
+def limited(lim: SandboxLimits, argv: list[str]) -> list[str]:
+    """``argv`` run by bash after ``ulimits``."""
+    return ["/bin/bash", "-c", f'{ulimits(lim)}; exec "$@"', "sandbox", *argv]
