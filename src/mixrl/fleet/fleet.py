@@ -119,15 +119,20 @@ class Fleet:
         replica starts at all is an error.
         """
         names, errors = [], []
-        for g in self.specs.values():
-            for _ in range(g.replicas):
-                try:
-                    names.append(await self._add(g.name))
-                except Exception as e:  # noqa: BLE001 - any start-up error fails that replica only
-                    self.counts["replica_failures"] += 1
-                    errors.append(f"group {g.name!r}: {type(e).__name__}: {e}")
-                    print(f"sampler replica failed to start, continuing without it: {errors[-1]}",
-                          file=sys.stderr, flush=True)
+        # Replicas start concurrently (worker processes build their engines in parallel);
+        # names are assigned in group order before the first await, so they are stable.
+        groups = [g.name for g in self.specs.values() for _ in range(g.replicas)]
+        outcomes = await asyncio.gather(*(self._add(g) for g in groups), return_exceptions=True)
+        for g, out in zip(groups, outcomes, strict=True):
+            if isinstance(out, BaseException):
+                if not isinstance(out, Exception):  # cancelled, interrupted: not a start-up error
+                    raise out
+                self.counts["replica_failures"] += 1
+                errors.append(f"group {g!r}: {type(out).__name__}: {out}")
+                print(f"sampler replica failed to start, continuing without it: {errors[-1]}",
+                      file=sys.stderr, flush=True)
+            else:
+                names.append(out)
         self.start_errors = errors
         if not names:
             raise RuntimeError("no sampler replica could start:\n" + "\n".join(errors))
@@ -251,12 +256,27 @@ class Fleet:
             await asyncio.sleep(0)
 
     # -- requests --------------------------------------------------------------------
-    async def _pick(self, session: str, exclude: set[str]):
-        """A ready replica, waiting for one to come up (restart, scale-up) if none is."""
+    async def _pick(self, session: str, exclude: set[str], min_version: int = -1):
+        """A ready replica, waiting for one to come up (restart, scale-up) if none is.
+
+        With ``min_version``, a picked replica that still serves an older version is
+        waited for (it is loading the newest one) rather than skipped: skipping would
+        move the session to another group and bias the groups' shares."""
         deadline = time.monotonic() + self.wait_for_replica_s
         while True:
             try:
-                return self.router.pick(session, exclude)
+                info = self.router.pick(session, exclude)
+                if self.versions.get(info.name, -1) >= min_version:
+                    return info
+                if time.monotonic() > deadline or self.closed:
+                    raise NoReplicaAvailable(f"no replica serves version >= {min_version} for session {session!r}")
+                t = self._sync_tasks.get(info.name)
+                if t is not None and not t.done():
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(asyncio.shield(t), timeout=0.5)
+                else:
+                    await asyncio.sleep(0.005)
+                continue
             except NoReplicaAvailable:
                 if exclude and self.router.ready():
                     exclude.clear()  # every ready replica was tried: allow them again
@@ -267,15 +287,18 @@ class Fleet:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._changed.wait(), timeout=0.5)
 
-    async def generate(self, session: str, request: GenerationRequest) -> GenerationResult:
-        """One turn of ``session``, retried across replicas (see the module docstring)."""
+    async def generate(self, session: str, request: GenerationRequest, min_version: int = -1) -> GenerationResult:
+        """One turn of ``session``, retried across replicas (see the module docstring).
+
+        ``min_version``: only a replica serving that weights version or a newer one
+        generates it (staleness admission: the prompt's tokens must be trainable)."""
         tried: set[str] = set()
         last_error = ""
         last_result: GenerationResult | None = None
         for attempt in range(self.max_retries + 1):
             if attempt:
                 self.counts["retried_requests"] += 1
-            info = await self._pick(session, tried)
+            info = await self._pick(session, tried, min_version)
             handle = self.handles.get(info.name)
             if handle is None:  # closed between pick and call
                 tried.add(info.name)

@@ -7,7 +7,9 @@ written once and read by every replica). The store holds the trainer's own
 precision; each replica quantizes on load into its profile's formats.
 
 Only the newest ``keep`` versions are held: a replica always pulls the newest
-one, so older versions are needed only by pulls already in progress.
+one, so older versions are needed only by pulls already in progress. An
+evicted reference with a ``retire()`` method (``shared_weights.SharedVersion``)
+is told so, and frees its shared memory once those pulls are done.
 
 Timing: ``publish`` records when a version was published and the fleet calls
 ``served(version, replica)`` when a replica serves it; ``latency(version)`` is
@@ -56,7 +58,9 @@ class WeightStore:
         if not replicas:
             self.latencies[version] = self.put_s[version]
         while len(self._versions) > self.keep:
-            self._versions.popitem(last=False)
+            _, old = self._versions.popitem(last=False)
+            if hasattr(old, "retire"):  # a shared-memory version: freed once no load holds it
+                old.retire()
 
     def get(self, version: int | None = None) -> tuple[int, Any]:
         """(version, stored ref); None = the newest."""

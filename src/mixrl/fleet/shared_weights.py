@@ -1,0 +1,195 @@
+"""One weights version in shared memory, mapped by every replica on the machine.
+
+    trainer ──one copy──► /dev/shm/mixrl-w-*/v3.bin  ◄──mmap── replica a, b, c (no copy)
+                                │
+         for_format("nvfp4") ──one quantization──► v3.nvfp4.bin ◄──mmap── replicas of that format
+
+``SharedVersion.from_state_dict(sd)`` writes a state dict once into a file in
+``/dev/shm`` (RAM-backed): each tensor at a 64-byte aligned offset of one flat
+file. What crosses a process boundary is the small ``manifest()``:
+``{name: (file, dtype, shape, offset)}``; ``map_manifest`` turns it back into
+tensors that are views of the mapped file (``torch.from_file(shared=True)``),
+so N replicas cost one copy, not N.
+
+Quantization into a sampler format happens once per (version, format):
+``for_format(key, quantize)`` runs ``quantize(name, tensor)`` over the
+quantizable weights the first time a replica of that format asks (under a lock,
+so concurrent replicas of one format wait for the same result) and writes only
+the tensors it changed into a second file; the format's manifest points at that
+file for those names and at the base file for the rest.
+
+Lifetime: the weight store calls ``retire()`` when it evicts a version; the
+files are deleted once retired and no load holds them (``acquire``/``release``
+around each replica load). An existing mapping survives the deletion (POSIX),
+so a replica that already mapped a version keeps reading it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import torch
+
+ALIGN = 64
+Manifest = dict[str, tuple[str, str, tuple[int, ...], int]]  # name -> (file, dtype, shape, byte offset)
+_DIR: Path | None = None
+_DIR_LOCK = threading.Lock()
+_COUNTER = iter(range(1 << 62))
+
+
+def shm_dir() -> Path:
+    """This process's private directory under /dev/shm (a temporary directory elsewhere)."""
+    global _DIR
+    with _DIR_LOCK:
+        if _DIR is None or not _DIR.exists():
+            root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+            _DIR = Path(tempfile.mkdtemp(prefix=f"mixrl-w-{os.getpid()}-", dir=root))
+        return _DIR
+
+
+def cleanup_dir() -> None:
+    """Remove this process's shared-memory directory (end of a run)."""
+    global _DIR
+    with _DIR_LOCK:
+        if _DIR is not None:
+            shutil.rmtree(_DIR, ignore_errors=True)
+            _DIR = None
+
+
+def _dtype_name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")
+
+
+def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> Manifest:
+    """Copy ``tensors`` (any device) into one flat file; the only copy a version costs."""
+    layout, off = {}, 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        layout[k] = (off, nbytes)
+        off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    path.touch()
+    os.truncate(path, max(off, 1))
+    buf = torch.from_file(str(path), shared=True, size=max(off, 1), dtype=torch.uint8)
+    out: Manifest = {}
+    for k, t in tensors.items():
+        o, nb = layout[k]
+        t = t.detach()
+        if nb:
+            dst = buf[o : o + nb].view(t.dtype).view(t.shape)
+            dst.copy_(t)
+        out[k] = (str(path), _dtype_name(t.dtype), tuple(t.shape), o)
+    return out
+
+
+def map_manifest(manifest: Manifest) -> dict[str, torch.Tensor]:
+    """Tensors viewing the mapped files (no copy). Read-only by convention: replicas
+    quantize or cast into their own buffers; writing would change every replica's weights."""
+    files: dict[str, torch.Tensor] = {}
+    out = {}
+    for k, (f, dt, shape, off) in manifest.items():
+        if f not in files:
+            files[f] = torch.from_file(f, shared=True, size=os.path.getsize(f), dtype=torch.uint8)
+        dtype = getattr(torch, dt)
+        n = 1
+        for s in shape:
+            n *= s
+        nb = n * torch.empty((), dtype=dtype).element_size()
+        out[k] = files[f][off : off + nb].view(dtype).view(shape)
+    return out
+
+
+Quantize = Callable[[str, torch.Tensor], torch.Tensor | None]  # (name, fp32 tensor) -> quantized, or None = keep
+
+
+class SharedVersion:
+    """One published version: a base file plus one file per sampler format (see module doc)."""
+
+    def __init__(self, manifest: Manifest, files: list[Path], stem: Path):
+        self._base = manifest
+        self._files = list(files)
+        self._stem = stem
+        self._formats: dict[str, Manifest] = {}
+        self._locks: dict[str, threading.Lock] = {}
+        self._lock = threading.Lock()
+        self._holds = 0
+        self._retired = False
+        self.quantize_s: dict[str, float] = {}  # format -> seconds its one quantization took
+        self.copy_s = 0.0
+
+    @classmethod
+    def from_state_dict(cls, sd: Mapping[str, torch.Tensor]) -> SharedVersion:
+        import time
+
+        t0 = time.perf_counter()
+        stem = shm_dir() / f"w{next(_COUNTER)}"
+        path = stem.with_suffix(".bin")
+        v = cls(write_tensors(sd, path), [path], stem)
+        v.copy_s = time.perf_counter() - t0
+        return v
+
+    def manifest(self, fmt: str | None = None) -> Manifest:
+        """The base manifest, or that of ``fmt`` (which ``for_format`` must have built)."""
+        return self._base if fmt is None else self._formats[fmt]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return map_manifest(self._base)
+
+    def for_format(self, fmt: str, quantize: Quantize) -> Manifest:
+        """The manifest of this version in ``fmt``, quantizing once (thread-safe)."""
+        import time
+
+        with self._lock:
+            lock = self._locks.setdefault(fmt, threading.Lock())
+        with lock:
+            if fmt in self._formats:
+                return self._formats[fmt]
+            t0 = time.perf_counter()
+            base = map_manifest(self._base)
+            changed = {}
+            for k, t in base.items():
+                q = quantize(k, t)
+                if q is not None:
+                    changed[k] = q
+            path = self._stem.with_suffix(f".{_safe(fmt)}.bin")
+            man = dict(self._base)
+            man.update(write_tensors(changed, path) if changed else {})
+            with self._lock:
+                self._files.append(path)
+                self._formats[fmt] = man
+            self.quantize_s[fmt] = time.perf_counter() - t0
+            return man
+
+    # -- lifetime ------------------------------------------------------------------
+    def acquire(self) -> None:
+        with self._lock:
+            if self._retired and self._holds == 0 and not self._files_exist():
+                raise FileNotFoundError("weights version was already released")
+            self._holds += 1
+
+    def release(self) -> None:
+        with self._lock:
+            self._holds -= 1
+            self._maybe_delete()
+
+    def retire(self) -> None:
+        """No new loads will start from this version (the store evicted it)."""
+        with self._lock:
+            self._retired = True
+            self._maybe_delete()
+
+    def _files_exist(self) -> bool:
+        return all(p.exists() for p in self._files)
+
+    def _maybe_delete(self) -> None:
+        if self._retired and self._holds <= 0:
+            for p in self._files:
+                p.unlink(missing_ok=True)
+
+
+def _safe(fmt: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in fmt)

@@ -1,0 +1,98 @@
+"""The embedded backend (the default): one machine, no cluster, samplers as processes.
+
+    orchestrator process                         sampler worker processes
+    ┌────────────────────────────────┐   pipe   ┌──────────────────────────┐
+    │ event loop: sessions, fleet    │◄────────►│ engine + BatchingSampler │  one per replica
+    │ trainer (update in a thread)   │          └──────────────────────────┘
+    │ weights ─► /dev/shm (one copy, │── mmap ──► every replica; one quantized
+    │   one quantization per format) │            copy per (version, format)
+    └────────────────────────────────┘
+
+``runtime.sampler_workers`` picks how replicas run: ``"process"`` (default;
+``worker`` + ``process``) so sampling and training overlap on separate cores,
+or ``"thread"`` (``threads``), the replicas inside this process, for tests
+that need a fully reproducible schedule. Either way the orchestrator sees the
+same handles. ``runtime.backend = "inprocess"`` is the former name of this
+backend and selects it too.
+
+Each worker sets ``runtime.torch_threads`` torch threads. Replicas whose
+format can be pre-quantized (``formats.format_key``) run their engine with the
+weight format switched off and receive weights the publisher quantized once.
+
+Fault injection: ``kill(name)`` (a real SIGKILL of a worker process, or a
+thread replica marked dead) and ``corrupt(name, n)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from mixrl.config.run import RunConfig
+from mixrl.fleet.handles import SamplerHandle
+from mixrl.runtime.backends.embedded.formats import format_key, quantizer, serving_profile
+from mixrl.runtime.backends.embedded.process import ProcessSampler
+from mixrl.runtime.backends.embedded.threads import (
+    EmbeddedTrainer,
+    ThreadSampler,
+    group_profile,
+    locked,
+    replica_seed,
+)
+from mixrl.runtime.handles import Backend, TrainerHandle
+
+__all__ = ["EmbeddedBackend", "EmbeddedTrainer", "ProcessSampler", "ThreadSampler", "group_profile", "replica_seed"]
+
+
+class EmbeddedBackend(Backend):
+    name = "embedded"
+
+    def __init__(self, cfg: RunConfig, model_path: str, loss_cfg: Any, *, workers: str | None = None):
+        self.cfg, self.model_path, self.loss_cfg = cfg, model_path, loss_cfg
+        self.workers = workers or getattr(cfg.runtime, "sampler_workers", "process")
+        if self.workers not in ("process", "thread"):
+            raise ValueError(f"runtime.sampler_workers must be 'process' or 'thread', got {self.workers!r}")
+        self.samplers: dict[str, ProcessSampler | ThreadSampler] = {}
+        self._tied: bool | None = None
+
+    def _is_tied(self) -> bool:
+        if self._tied is None:
+            from transformers import AutoConfig
+
+            self._tied = bool(getattr(AutoConfig.from_pretrained(self.model_path), "tie_word_embeddings", False))
+        return self._tied
+
+    async def make_trainer(self) -> TrainerHandle:
+        from mixrl.runtime.trainer_state import build_trainer
+
+        trainer, tok = await asyncio.to_thread(locked, build_trainer, self.cfg, self.model_path, self.loss_cfg)
+        return EmbeddedTrainer(trainer, tok)
+
+    async def make_sampler(self, group: str, name: str) -> SamplerHandle:
+        prof = group_profile(self.cfg, group)
+        fmt = format_key(prof, self._is_tied())
+        quantize = quantizer(prof) if fmt is not None else None
+        serve = serving_profile(prof, fmt)
+        seed = replica_seed(self.cfg.runtime.seed, name)
+        h: ProcessSampler | ThreadSampler
+        if self.workers == "process":
+            h = ProcessSampler(name, group, fmt, quantize)
+            await h.start(self.model_path, serve, seed, self.cfg.runtime.torch_threads)
+        else:
+            from mixrl.sampling.batching import BatchingSampler
+            from mixrl.sampling.factory import make_engine
+
+            engine = await asyncio.to_thread(locked, make_engine, self.model_path, serve, group, seed=seed)
+            h = ThreadSampler(name, group, BatchingSampler(engine), fmt, quantize)
+        self.samplers[name] = h
+        return h
+
+    def kill(self, name: str) -> None:
+        self.samplers[name].kill()
+
+    def corrupt(self, name: str, n: int) -> None:
+        self.samplers[name].corrupt(n)
+
+    async def shutdown(self) -> None:
+        for h in list(self.samplers.values()):
+            await h.close()

@@ -1,0 +1,61 @@
+"""Which weights a sampler format changes, so the publisher can quantize them once.
+
+A built-in engine fake-quantizes the Linear weights of every decoder layer
+(``*_proj.weight``) and, with ``quantize_lm_head``, the output head, through
+its precision's ``weight`` hook. ``format_key(profile, tied)`` names that
+transformation (replicas of two groups with the same key share one quantized
+copy of each version); ``quantizer(profile)`` applies it, with the engine's
+own hook, so a replica that loads pre-quantized weights with its weight
+format switched off (``serving_profile``) computes exactly what it would have
+computed quantizing on load.
+
+Not cached (the replica quantizes on load, as before): engines other than
+the built-in one (vLLM quantizes with its own kernels), identity formats
+(nothing to do) and a quantized head tied to the embedding (the engine
+quantizes the head but not the embedding lookup, which one tensor cannot carry).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+_IDENTITY = {None, "", "none", "fp32", "float32"}
+
+
+def format_key(profile: Any, tied: bool) -> str | None:
+    if getattr(profile, "engine", "builtin") != "builtin":
+        return None
+    wf = getattr(profile, "weight_format", None)
+    if wf is None or str(wf).lower() in _IDENTITY:
+        return None
+    head = bool(getattr(profile, "quantize_lm_head", False))
+    if head and tied:
+        return None
+    return f"{wf}+head" if head else str(wf)
+
+
+def quantizer(profile: Any) -> Any:
+    """``(name, tensor) -> quantized fp32 tensor or None`` with the engine's own weight hook."""
+    from mixrl.sampling.builtin.precision import from_profile
+
+    prec = from_profile(profile)
+    head = bool(getattr(profile, "quantize_lm_head", False))
+
+    def quantize(name: str, t: torch.Tensor) -> torch.Tensor | None:
+        if name.endswith("_proj.weight") or (head and name.endswith("lm_head.weight")):
+            with torch.inference_mode():
+                return prec.weight(t.detach().to(torch.float32, copy=True))
+        return None
+
+    return quantize
+
+
+def serving_profile(profile: Any, key: str | None) -> Any:
+    """The profile a replica's engine runs with when it receives weights already in ``key``."""
+    if key is None:
+        return profile
+    from mixrl.sampling.profiles import with_overrides
+
+    return with_overrides(profile, weight_format="none", quantize_lm_head=False)

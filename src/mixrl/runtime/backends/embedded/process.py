@@ -1,0 +1,196 @@
+"""``ProcessSampler``: the parent's handle on one sampler worker process.
+
+Calls become messages on the worker's pipe (see ``worker`` for the protocol);
+one reader thread per worker receives the replies and resolves the asyncio
+futures on the parent's loop. Sampling therefore runs in another interpreter
+and overlaps the trainer for real (no shared GIL).
+
+Failure is the worker process's death, observed as the pipe closing: every
+call in flight and every later call raises ``ReplicaFailure``, and the fleet
+continues the sessions elsewhere. ``kill()`` sends SIGKILL (fault injection);
+``corrupt(n)`` makes the next ``n`` results malformed, as a faulty engine would.
+
+Weights: ``load_weights`` takes a ``SharedVersion`` (or a plain state dict,
+which it first writes to shared memory), asks it for this replica's format
+(quantized once per version and format, whoever asks first) and sends the
+worker only the manifest; the worker maps the files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import threading
+from typing import Any
+
+from mixrl.fleet.handles import SamplerHandle
+from mixrl.fleet.shared_weights import SharedVersion
+from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
+
+START_TIMEOUT_S = 600.0  # a loaded 2-core machine can take minutes to import torch and build an engine
+
+
+def mp_context() -> Any:
+    """forkserver where the platform has it (children fork from a clean server that has
+    already imported torch: fast starts), else spawn; both need picklable arguments only."""
+    import multiprocessing as mp
+
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload([
+            "torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "mixrl.runtime.backends.embedded.worker",
+            "mixrl.sampling.batching", "mixrl.sampling.factory", "mixrl.sampling.builtin.engine", "mixrl.numerics",
+        ])
+        return ctx
+    return mp.get_context("spawn")
+
+
+class ProcessSampler(SamplerHandle):
+    def __init__(self, name: str, group: str, fmt: str | None = None, quantize: Any = None):
+        self.name, self.group = name, group
+        self.fmt, self.quantize = fmt, quantize  # this replica's weight format (None: base weights)
+        self.dead = False
+        self.load_s: list[float] = []  # the worker's own load time per version
+        self._corrupt = 0
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready: asyncio.Future[Any] | None = None
+        self.proc: Any = None
+        self.conn: Any = None
+        self.pid = -1
+
+    # -- life cycle ------------------------------------------------------------------
+    async def start(self, model_path: str, profile: Any, seed: int, threads: int, timeout: float = START_TIMEOUT_S) -> None:
+        from mixrl.runtime.backends.embedded import worker
+
+        ctx = mp_context()
+        self._loop = asyncio.get_running_loop()
+        self._ready = self._loop.create_future()
+        self.conn, child = ctx.Pipe(duplex=True)
+        self.proc = ctx.Process(target=worker.main, args=(child, model_path, profile, self.group, seed, threads),
+                                name=f"mixrl-sampler-{self.name}", daemon=True)
+        await asyncio.to_thread(self.proc.start)
+        child.close()
+        threading.Thread(target=self._read, name=f"mixrl-reader-{self.name}", daemon=True).start()
+        try:
+            self.pid = await asyncio.wait_for(self._ready, timeout)
+        except BaseException:
+            await self.close()
+            raise
+
+    def _read(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except Exception:  # noqa: BLE001 - EOF, reset, or a reply that cannot be read: the worker is lost
+                break
+            self._post(self._deliver, *msg)
+        self._post(self._lost)
+
+    def _post(self, fn: Any, *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def _deliver(self, kind: str, rid: int, payload: Any) -> None:
+        if kind == "ready":
+            if self._ready is not None and not self._ready.done():
+                self._ready.set_result(payload)
+            return
+        if kind == "fatal":
+            if self._ready is not None and not self._ready.done():
+                last = payload.strip().splitlines()[-1] if payload.strip() else "unknown error"
+                self._ready.set_exception(RuntimeError(f"sampler worker {self.name} could not start: {last}\n{payload}"))
+            return
+        fut = self._pending.pop(rid, None)
+        if fut is None or fut.done():
+            return
+        if kind == "ok":
+            fut.set_result(payload)
+        else:
+            fut.set_exception(ReplicaFailure(f"replica {self.name}: {payload}"))
+
+    def _lost(self) -> None:
+        self.dead = True
+        err = ReplicaFailure(f"replica {self.name}: worker process {self.pid} exited")
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_exception(RuntimeError(f"sampler worker {self.name} exited during start-up"))
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._pending.clear()
+
+    async def _call(self, kind: str, payload: Any) -> Any:
+        if self.dead:
+            raise ReplicaFailure(f"replica {self.name} is dead")
+        assert self._loop is not None
+        rid = next(self._ids)
+        fut = self._loop.create_future()
+        self._pending[rid] = fut
+        try:
+            with self._send_lock:
+                self.conn.send((kind, rid, payload))
+        except (OSError, ValueError) as e:  # broken pipe / closed connection
+            self._pending.pop(rid, None)
+            self.dead = True
+            raise ReplicaFailure(f"replica {self.name}: cannot reach worker ({e})") from e
+        try:
+            return await fut
+        finally:
+            self._pending.pop(rid, None)
+
+    # -- SamplerHandle ---------------------------------------------------------------
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        res = await self._call("gen", request)
+        if self.dead:  # killed while this request was being decoded: its output is lost
+            raise ReplicaFailure(f"replica {self.name} died during the request")
+        if self._corrupt > 0 and res.token_ids:
+            from mixrl.runtime.backends.embedded.threads import corrupted
+
+            self._corrupt -= 1
+            res = corrupted(res, self._corrupt)
+        return res
+
+    async def load_weights(self, ref: Any, version: int) -> None:
+        if self.dead:
+            raise ReplicaFailure(f"replica {self.name} is dead")
+        own = not isinstance(ref, SharedVersion)
+        sv = SharedVersion.from_state_dict(ref) if own else ref
+        sv.acquire()  # before any await: the store may evict (retire) this version meanwhile
+        try:
+            man = sv.manifest() if self.fmt is None else await asyncio.to_thread(sv.for_format, self.fmt, self.quantize)
+            self.load_s.append(float(await self._call("load", (man, version))))
+        finally:
+            sv.release()
+            if own:
+                sv.retire()
+
+    def kill(self) -> None:
+        """SIGKILL the worker process (a crash, for tests and demos)."""
+        self.dead = True
+        if self.proc is not None and self.proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+
+    def corrupt(self, n: int) -> None:
+        self._corrupt += n
+
+    async def close(self) -> None:
+        proc, self.dead = self.proc, True
+        if proc is None:
+            return
+        self.proc = None
+        with contextlib.suppress(OSError, ValueError), self._send_lock:
+            self.conn.send(("stop", 0, None))
+        await asyncio.to_thread(proc.join, 5.0)
+        if proc.is_alive():
+            proc.kill()
+            await asyncio.to_thread(proc.join, 5.0)
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        self._lost()

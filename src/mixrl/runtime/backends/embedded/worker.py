@@ -1,0 +1,99 @@
+"""The sampler worker process: one replica's engine in its own interpreter.
+
+Started by ``ProcessSampler`` with a spawn-safe multiprocessing context (the
+entry point is this module's ``main``; nothing is inherited from the parent but
+its arguments). It sets its torch threads, builds the engine through
+``sampling.factory.make_engine``, wraps it in a ``BatchingSampler`` (so batching
+and the weights-between-batches rule are the same as in-process) and serves
+messages from one duplex pipe:
+
+    parent -> worker                          worker -> parent
+    ("gen",  id, GenerationRequest)           ("ok",  id, GenerationResult)
+    ("load", id, (manifest, version))         ("ok",  id, seconds the load took)
+    ("stop", 0, None)                         ("err", id, "ExcType: message")
+                                              ("ready", 0, pid) / ("fatal", 0, traceback)
+
+A reader thread receives (it blocks in the pipe without the GIL) and hands each
+message to the worker's asyncio loop; results go back from the loop. Weights
+arrive as a shared-memory manifest (``fleet.shared_weights``): mapped, not
+copied. The worker exits when told to stop or when the pipe closes (the parent
+died); an engine failure is reported per call as ``err`` and the parent turns
+it into ``ReplicaFailure``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import threading
+import traceback
+from typing import Any
+
+
+def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, threads: int) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    import torch
+
+    torch.set_num_threads(threads)
+    try:
+        from mixrl.sampling.batching import BatchingSampler
+        from mixrl.sampling.factory import make_engine
+
+        sampler = BatchingSampler(make_engine(model_path, profile, group, seed=seed))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which counts a failed start
+        conn.send(("fatal", 0, traceback.format_exc()))
+        conn.close()
+        return
+    conn.send(("ready", 0, os.getpid()))
+    asyncio.run(_serve(conn, sampler))
+
+
+async def _serve(conn: Any, sampler: Any) -> None:
+    loop = asyncio.get_running_loop()
+    inbox: asyncio.Queue[Any] = asyncio.Queue()
+    send_lock = threading.Lock()
+
+    def reader() -> None:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):  # the parent is gone
+                msg = ("stop", 0, None)
+            loop.call_soon_threadsafe(inbox.put_nowait, msg)
+            if msg[0] == "stop":
+                return
+
+    def send(msg: Any) -> None:
+        with send_lock, contextlib.suppress(BrokenPipeError, OSError):  # parent gone: nobody to tell
+            conn.send(msg)
+
+    async def handle(kind: str, rid: int, payload: Any) -> None:
+        try:
+            if kind == "gen":
+                send(("ok", rid, await sampler.generate(payload)))
+            elif kind == "load":
+                import time
+
+                from mixrl.fleet.shared_weights import map_manifest
+
+                manifest, version = payload
+                t0 = time.perf_counter()
+                await sampler.load_weights(map_manifest(manifest), version)
+                send(("ok", rid, time.perf_counter() - t0))
+        except BaseException as e:  # noqa: BLE001 - every failure goes back to its caller
+            send(("err", rid, f"{type(e).__name__}: {e}"))
+
+    threading.Thread(target=reader, name="mixrl-worker-reader", daemon=True).start()
+    tasks: set[asyncio.Task[None]] = set()
+    while True:
+        kind, rid, payload = await inbox.get()
+        if kind == "stop":
+            break
+        t = asyncio.ensure_future(handle(kind, rid, payload))
+        tasks.add(t)
+        t.add_done_callback(tasks.discard)
+    for t in tasks:
+        t.cancel()
+    await sampler.close()
+    conn.close()
