@@ -117,3 +117,26 @@ def test_dataset_env_reward_failed_and_tool(user_file: str) -> None:
     first, last = _episode(Rewards([f"{user_file}:exact"]), "<calc>2+3</calc>|<answer>5</answer>", ("calc",))
     assert not first.done and "5" in ChatFormat(build_tokenizer()).decode(first.tokens)
     assert last.done and last.status == "ok" and last.reward == 1.0
+
+
+def test_the_documented_multi_turn_example_runs(tmp_path: Path, user_file: str) -> None:
+    """docs/envs.md's ShopEnv, as written there: a tool call, a nudge, an answer scored by [reward]."""
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "envs.md").read_text()
+    code = doc.split("## A multi-turn example")[1].split("```python\n")[1].split("```")[0]
+    assert len(code.splitlines()) <= 30
+    ns: dict[str, object] = {}
+    exec(compile(code, "docs/envs.md", "exec"), ns)
+    chat = ChatFormat(build_tokenizer())
+    row = {"prompt": "What do 2 pens cost?", "answer": "4", "_row": 0, "_prompt_key": "prompt"}
+    env = ns["ShopEnv"](Task("t", "x", "train", row), chat, hint=True)  # type: ignore[operator]
+    env.rewards = Rewards([f"{user_file}:exact"])
+
+    async def run() -> list[object]:
+        ids = await env.reset()
+        assert "<price>item</price>" in chat.decode(ids)
+        return [await env.step(chat.assistant(t), "stop") for t in ("<price>pen</price>", "hmm", "<answer>4</answer>")]
+
+    tool, nudge, end = asyncio.run(run())
+    assert not tool.done and "2" in chat.decode(tool.tokens)
+    assert not nudge.done and "Answer with" in chat.decode(nudge.tokens)
+    assert end.done and end.reward == 1.0 and end.status == "ok"
