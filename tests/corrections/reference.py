@@ -1,4 +1,4 @@
-"""Float64 brute-force references for the correction library (CORRECTIONS.md §11).
+"""Float64 brute-force references for the correction library (docs/corrections.md §11).
 
 Everything here works in *probability* space over an enumerated small
 vocabulary with explicit loops, products and divisions, the opposite of the

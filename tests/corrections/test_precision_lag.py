@@ -106,3 +106,16 @@ def test_clamped_tokens_counted_and_ess_finite_at_the_bound():
     _, m = compute_loss(big, cfg, float(n))
     assert m["corr/ess"] == pytest.approx(1.0, rel=1e-5)  # equal weights: ESS 1
     assert m["corr/clamped_tokens"] == n
+
+
+def test_collapse_monitor_reads_the_precision_kl():
+    from mixrl.observe.monitor import CollapseMonitor, MonitorConfig
+
+    mon = CollapseMonitor(MonitorConfig(early_steps=2, warmup_steps=0))
+    mon.update(1, {"precision/kl_exact": 1e-3, "mismatch/kl_exact": 5e-3, "rollout/reward": 0.5})
+    assert mon.kl_key == "precision/kl_exact" and mon.kl_ema == 1e-3
+    mon.update(2, {"mismatch/kl_exact": 9e-3, "rollout/reward": 0.5})  # no staleness-0 token this step
+    assert mon.kl_ema == 1e-3  # policy lag alone never moves the precision signal
+    old = CollapseMonitor()
+    old.update(1, {"mismatch/kl_k3": 2e-3})  # metrics written without the split
+    assert old.kl_key == "mismatch/kl_k3"

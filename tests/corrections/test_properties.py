@@ -1,4 +1,4 @@
-"""The properties of CORRECTIONS.md §11 (all but 8, which lives with the chunked log-probs).
+"""The properties of docs/corrections.md §11 (all but 8, which lives with the chunked log-probs).
 
 Float64 throughout, small vocabularies enumerated exactly, gradients taken with
 respect to leaf logits.
