@@ -14,8 +14,12 @@ from typing import Any
 from mixrl.config.run import RunConfig
 
 
-def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any) -> tuple[Any, Any]:
-    """(Trainer, tokenizer) for ``cfg`` starting from the policy at ``model_path``."""
+def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any, factory: Any = None, **extra: Any) -> tuple[Any, Any]:
+    """(Trainer, tokenizer) for ``cfg`` starting from the policy at ``model_path``.
+
+    ``factory`` replaces the ``Trainer`` class (``RankTrainer`` on FSDP2 ranks, with
+    its ``extra`` keywords); ``[trainer.lora]`` wraps the model in peft adapters first.
+    """
     import torch
 
     from mixrl.models.policy import load_policy
@@ -25,8 +29,13 @@ def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any) -> tuple[Any, 
     torch.manual_seed(cfg.runtime.seed)
     random.seed(cfg.runtime.seed)
     model, tok = load_policy(model_path)
+    if cfg.trainer.lora is not None:
+        from mixrl.train.lora import LoraTrainer, apply_lora
+
+        model = apply_lora(model, cfg.trainer.lora)
+        factory = factory or LoraTrainer
     o = cfg.optim
-    trainer = Trainer(
+    trainer = (factory or Trainer)(
         model,
         loss_cfg,
         seed=cfg.runtime.seed,
@@ -44,6 +53,7 @@ def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any) -> tuple[Any, 
         max_malformed_frac=0.5,  # a step that drops more than half its batch fails the run
         gen_budget=generation_budget(cfg),
         lr_schedule=lr_schedule(cfg),
+        **extra,
     )
     return trainer, tok
 
@@ -112,6 +122,10 @@ def _tupled(x: Any) -> Any:
 
 def save_policy(trainer: Any, tokenizer: Any, out_dir: str) -> None:
     """The current policy as an HF directory (FP32 weights + tokenizer)."""
+    export = getattr(trainer, "export", None)
+    if export is not None:  # LoRA: merged model + adapter; FSDP ranks: the gathered state
+        export(out_dir, tokenizer)
+        return
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     trainer.model.save_pretrained(str(out))
