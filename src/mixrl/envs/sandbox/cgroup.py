@@ -10,9 +10,11 @@ Layout: the parent ``mixrl-<pid>-<token>`` sits under the cgroup this process is
 from ``/proc/self/cgroup``, so several trainers on one host never share one) and holds the
 cap over all episodes at once (``HostConfig.total_memory``); each episode's cgroup holds
 its own caps: ``memory`` (processes and the files of its tmpfs, which are charged to the
-writer's cgroup), ``pids`` (``max_procs`` plus bwrap's two), ``cpu`` quota (``cpus``). The
-parent's CPU weight is one busy task per core: under contention all episodes together
-weigh like that many tasks (with the default weight they would weigh like one).
+writer's cgroup), ``pids`` (``max_procs`` plus bwrap's two), ``cpu`` quota (``cpus``). In
+v1 the episodes' ``cpu`` cgroups sit directly beside our own (``<parent name>-sb-<n>``):
+under a parent, 32 episodes would weigh like one task against the rest of the host and
+crawl under contention; beside it each weighs like the one process it used to be, and
+its quota caps it. (v2 has one tree: the parent gets one task's weight per core.)
 
 Which kernel interface: cgroup v2 when its mount lists ``memory`` and ``pids`` in our
 cgroup's ``cgroup.controllers`` and they can be enabled for the parent's children; else v1
@@ -142,6 +144,7 @@ class Hierarchy:
         self._parent: dict[str, str] = {}
         self._cap: int | None = None
         self._all: list[str] = []  # every parent directory made (removed at exit)
+        self._pname = ""  # the current parent's name
         atexit.register(self.cleanup)
 
     @property
@@ -162,7 +165,11 @@ class Hierarchy:
                     _write(os.path.join(self.bases[""], "cgroup.subtree_control"),
                            " ".join(f"+{c}" for c in sorted(missing)))
             parents = {}
+            self._pname = name
             for c, base in self.bases.items():
+                if c == "cpu":  # v1: episodes sit beside us, each weighing like one task (see above)
+                    parents[c] = base
+                    continue
                 d = os.path.join(base, name)
                 os.mkdir(d)
                 parents[c] = d
@@ -177,8 +184,6 @@ class Hierarchy:
                     _write(os.path.join(parents[""], "cpu.weight"), str(min(10_000, 100 * (os.cpu_count() or 1))))
             else:
                 _set_v1_memory(parents["memory"], cap)
-                if "cpu" in parents:
-                    _write(os.path.join(parents["cpu"], "cpu.shares"), str(1024 * (os.cpu_count() or 1)))
             self._parent, self._cap = parents, cap
             return parents
 
@@ -197,7 +202,7 @@ class Hierarchy:
             dirs = []
             try:
                 for c, p in sorted(parents.items()):
-                    d = os.path.join(p, name)
+                    d = os.path.join(p, f"{self._pname}-{name}" if c == "cpu" else name)
                     os.mkdir(d)
                     dirs.append(d)
                     self._limit(c, d, limits)
