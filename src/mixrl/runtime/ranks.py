@@ -107,7 +107,8 @@ def _rank_main(rank: int, world: int, addr: str, port: int, cfg: dict[str, Any],
 class LocalRanks(TrainerHandle):
     """``trainer.world_size`` rank processes behind one handle; results come from rank 0."""
 
-    def __init__(self, cfg: RunConfig, model_path: str, loss_cfg: Any) -> None:
+    def __init__(self, cfg: RunConfig, model_path: str, loss_cfg: Any, publish: Any = None) -> None:
+        """``publish`` turns rank 0's gathered state dict into what the weight store holds."""
         import torch.multiprocessing as mp
 
         from mixrl.train.distributed import free_port
@@ -124,6 +125,7 @@ class LocalRanks(TrainerHandle):
             self.conns.append(parent)
             self.procs.append(p)
         self._lock = asyncio.Lock()
+        self.publish = publish
 
     def _collect(self) -> list[Any]:
         """Every rank's answer; ``RankFailure`` as soon as one raised or died."""
@@ -176,7 +178,8 @@ class LocalRanks(TrainerHandle):
         return await self._call0("version")
 
     async def weights(self) -> Any:
-        return await self._call0("weights")
+        sd = await self._call0("weights")
+        return await asyncio.to_thread(self.publish, sd) if self.publish is not None else sd
 
     async def state(self) -> dict[str, Any]:
         return await self._call0("state")

@@ -65,6 +65,13 @@ class EmbeddedBackend(Backend):
     async def make_trainer(self) -> TrainerHandle:
         from mixrl.runtime.trainer_state import build_trainer
 
+        if self.cfg.trainer.world_size > 1:  # FSDP2 ranks, one process each (mixrl.runtime.ranks)
+            from mixrl.fleet.shared_weights import SharedVersion
+            from mixrl.runtime.ranks import LocalRanks
+
+            ranks = LocalRanks(self.cfg, self.model_path, self.loss_cfg, publish=SharedVersion.from_state_dict)
+            return await ranks.started()
+
         trainer, tok = await asyncio.to_thread(locked, build_trainer, self.cfg, self.model_path, self.loss_cfg)
         return EmbeddedTrainer(trainer, tok)
 
