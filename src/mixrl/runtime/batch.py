@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from mixrl.rollout.types import STATUSES, Trajectory
+from mixrl.rollout.types import STATUSES, UNREWARDED, Trajectory
 
 
 def main_group(t: Trajectory) -> str:
@@ -47,9 +47,12 @@ def advantages(groups: list[list[Trajectory]], loss_cfg: Any) -> tuple[list[Traj
 
 
 def rollout_metrics(trajs: list[Trajectory], group_names: list[str]) -> dict[str, float]:
-    ok = [t for t in trajs if t.status != "infra_failed"]
+    # rewards, lengths and turns are over episodes that have a reward: an infrastructure, reward
+    # function or agent failure has none (never counted as 0)
+    ok = [t for t in trajs if t.status not in UNREWARDED]
     m: dict[str, float] = {"rollout/episodes": float(len(trajs))}
-    m["rollout/infra_failed"] = float(len(trajs) - len(ok))
+    m["rollout/infra_failed"] = float(sum(t.status == "infra_failed" for t in trajs))
+    m["rollout/unrewarded"] = float(len(trajs) - len(ok))
 
     def put(prefix: str, items: list[Trajectory]) -> None:
         if not items:
@@ -71,6 +74,8 @@ def rollout_metrics(trajs: list[Trajectory], group_names: list[str]) -> dict[str
         m[f"rollout/status/{s}"] = sum(t.status == s for t in trajs) / n
     m["rollout/format_error_end"] = sum(t.status == "format_error" for t in trajs) / n
     m["rollout/malformed_calls"] = float(sum(t.num_malformed for t in trajs))
+    # agent episodes whose history was edited by the agent: segments left out of training
+    m["rollout/history_rewrites"] = float(sum(int(t.info.get("history_rewrites", 0)) for t in trajs))
     return m
 
 
