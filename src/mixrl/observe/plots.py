@@ -70,7 +70,7 @@ def plot_curves(runs: list[Run], out: Path, window: int = 5) -> Path:
         ax.set_title(title if key != "KL" else f"{title} ({kl_key(runs[0]).replace('/', ' ')})")
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if key == "KL":
+        if key == "KL" and any(y > 0 for ln in ax.lines for y in ln.get_ydata()):
             ax.set_yscale("log")
     axes.flat[-1].axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()

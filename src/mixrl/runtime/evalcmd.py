@@ -73,9 +73,10 @@ def main(args: argparse.Namespace) -> int:
 
 def _table(res: dict[str, Any]) -> str:
     k = res["k"]
+    pk = (f"{f'pass@{k}':>9}", f"{res[f'pass@{k}']:>9.3f}") if k != 1 else ("", "")
     lines = [f"{res['model']}  on {res['config']} (held-out)  profile {res['profile']}  n={res['n']}  "
              f"{res['wall_s']:.1f}s",
-             f"{'tasks':>7}{'pass@1':>9}{f'pass@{k}':>9}{'reward':>9}{'turns':>7}  status",
-             f"{res['n_tasks']:>7}{res['pass@1']:>9.3f}{res[f'pass@{k}']:>9.3f}"
+             f"{'tasks':>7}{'pass@1':>9}{pk[0]}{'reward':>9}{'turns':>7}  status",
+             f"{res['n_tasks']:>7}{res['pass@1']:>9.3f}{pk[1]}"
              f"{res['mean_reward']:>9.3f}{res['mean_turns']:>7.2f}  {res['status']}"]
     return "\n".join(lines)
