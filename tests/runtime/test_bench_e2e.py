@@ -18,8 +18,9 @@ def test_bench_e2e_json(tiny_policy: Path, tmp_path: Path, capsys: pytest.Captur
                          "--model", str(tiny_policy), "--out", str(tmp_path)])
     assert e2e.main(args) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for key in ("async_over_sync", "trainer_idle_frac", "mixrl_over_trl", "publish_over_copy"):
+    for key in ("async_over_sync", "trainer_idle_frac", "mixrl_over_trl", "publish_over_copy", "publish_over_floor"):
         assert key in res
+    assert res["publish_floor_s"] >= res["copy_s"] and res["publish_over_floor"] > 0
     assert res["async_over_sync"] > 0 and 0 <= res["trainer_idle_frac"] <= 1
     assert res["publish_s"] > 0 and res["copy_s"] > 0
     assert res["trl"]["available"] is False and res["mixrl_over_trl"] is None
