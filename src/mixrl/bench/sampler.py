@@ -22,6 +22,9 @@ busy machine disturb much less (with several threads it also counts their
 spin-waiting, so compare it at ``--threads 1``). The built-in engine records no
 candidates (``record="none"``, as ``generate`` returns none);
 ``builtin_support_tok_s`` is the same run recording the full support.
+``builtin_path`` names the built-in engine's path for the model (``qwen3-fast``
+for Qwen3); ``generic_tok_s`` / ``generic_over_hf`` are the generic HF path
+(``BuiltinEngine(forward="generic")``, any causal LM) on the same model and prompts.
 
 Peak memory: each side runs once more in a fresh child process, which loads
 the model, resets the kernel's resident-set high-water mark
@@ -107,11 +110,11 @@ def _prompts(vocab: int, batch: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(0, vocab, (batch, length), generator=g).tolist()
 
 
-def _builtin(path: str, threads: int | None) -> Any:
+def _builtin(path: str, threads: int | None, forward: str = "auto") -> Any:
     from mixrl.sampling.builtin.engine import BuiltinEngine
     from mixrl.sampling.profiles import get_profile
 
-    return BuiltinEngine(path, get_profile("fp32"), "bench", num_threads=threads, stop_on_eos=False)
+    return BuiltinEngine(path, get_profile("fp32"), "bench", num_threads=threads, stop_on_eos=False, forward=forward)
 
 
 def _builtin_run(engine: Any, prompts: list[list[int]], new: int, record: str) -> int:
@@ -198,7 +201,7 @@ def vllm_fields(path: str, prompts: list[list[int]], new: int) -> dict[str, Any]
 
 
 def throughput(
-    engine: Any, hf: Any, prompts: list[list[int]], new: int, repeats: int
+    engine: Any, hf: Any, prompts: list[list[int]], new: int, repeats: int, generic: Any = None
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Best generated tokens per wall second and per CPU second (this process, all
     threads) of each side over ``repeats`` interleaved runs, after one warm-up."""
@@ -207,8 +210,11 @@ def throughput(
         "support": lambda: _builtin_run(engine, prompts, new, "support"),
         "hf": lambda: _hf_run(hf, prompts, new),
     }
-    runs["builtin"]()  # warm-up: allocator, lazy initialisation
-    runs["hf"]()
+    if generic is not None:
+        runs["generic"] = lambda: _builtin_run(generic, prompts, new, "none")
+    for name in runs:
+        if name != "support":
+            runs[name]()  # warm-up: allocator, lazy initialisation
     best, best_cpu = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0.0)
     for _ in range(repeats):
         for name, fn in runs.items():
@@ -227,9 +233,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path, desc = resolve_model(args.model, tmp, args.seed)
         engine, hf = _builtin(path, args.threads), _hf(path)
-        prompts = _prompts(engine.shape.vocab, args.batch, args.prompt_len, args.seed)
+        # the generic HF path on the same model (where the fast path applies, it is a second engine)
+        generic = _builtin(path, args.threads, "generic") if engine.path_name != "generic" else None
+        prompts = _prompts(engine.vocab, args.batch, args.prompt_len, args.seed)
         new = args.new_tokens
-        best, cpu = throughput(engine, hf, prompts, new, args.repeats)
+        best, cpu = throughput(engine, hf, prompts, new, args.repeats, generic)
+        if generic is None:  # the model only runs on the generic path: it is the builtin side
+            best["generic"], cpu["generic"] = best["builtin"], cpu["builtin"]
         out: dict[str, Any] = {
             "model": desc,
             "params": sum(p.numel() for p in hf.parameters()),
@@ -239,11 +249,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "builtin_support_tok_s": round(best["support"], 1),
             "hf_tok_s": round(best["hf"], 1),
             "builtin_over_hf": round(best["builtin"] / best["hf"], 3),
+            "builtin_path": engine.path_name,
+            "generic_tok_s": round(best["generic"], 1),
+            "generic_over_hf": round(best["generic"] / best["hf"], 3),
+            "generic_over_hf_cpu": round(cpu["generic"] / cpu["hf"], 3),
             "builtin_cpu_tok_s": round(cpu["builtin"], 1),
             "hf_cpu_tok_s": round(cpu["hf"], 1),
             "builtin_over_hf_cpu": round(cpu["builtin"] / cpu["hf"], 3),
         }  # fmt: skip
-        del engine, hf
+        del engine, hf, generic
         if not args.no_memory:
             out["builtin_peak_mb"] = peak_mb("builtin", path, prompts, new, args.threads)
             out["hf_peak_mb"] = peak_mb("hf", path, prompts, new, args.threads)

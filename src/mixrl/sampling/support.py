@@ -79,16 +79,29 @@ def check_model(model_path: str, engines: set[str] | list[str] | tuple[str, ...]
     check_architecture(AutoConfig.from_pretrained(model_path), engines)
 
 
-def check_fleet(model_path: str, profiles: Any) -> None:
+def check_fleet(model_path: str, profiles: Any, routing_replay: bool = False) -> None:
     """At run start-up: every group's engine can run the model, else ``ConfigError`` naming
-    the group, the architecture and the engines that can (``profiles``: group -> Profile)."""
+    the group, the architecture and the engines that can (``profiles``: group -> Profile).
+    With ``routing_replay`` on a MoE model, every group must record routing: a vLLM group
+    where vLLM cannot return routed experts is refused, saying why."""
     from transformers import AutoConfig
 
     from mixrl.config.run import ConfigError
 
     cfg = AutoConfig.from_pretrained(model_path)
+    moe = bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None))
     for group, prof in profiles.items():
+        where = f"fleet.groups[{group!r}].profile: {getattr(prof, 'name', prof)!r}"
+        engine = getattr(prof, "engine", "builtin")
         try:
-            check_architecture(cfg, (getattr(prof, "engine", "builtin"),))
+            check_architecture(cfg, (engine,))
         except UnsupportedArchitectureError as e:
-            raise ConfigError(f"fleet.groups[{group!r}].profile: {getattr(prof, 'name', prof)!r}: {e}") from None
+            raise ConfigError(f"{where}: {e}") from None
+        if routing_replay and moe and engine == "vllm":
+            from mixrl.sampling.vllm.formats import detect_platform
+            from mixrl.sampling.vllm.outputs import routing_problem
+
+            why = routing_problem(detect_platform().kind)
+            if why:
+                raise ConfigError(f"loss.routing_replay=true: {where} cannot record MoE routing: {why}; "
+                                  "use built-in groups or loss.routing_replay=false")  # fmt: skip

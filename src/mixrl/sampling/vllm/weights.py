@@ -166,3 +166,8 @@ def prune_versions(root: str | Path, keep: int = 2) -> None:
     )
     for p in dirs[: max(0, len(dirs) - keep)]:
         shutil.rmtree(p, ignore_errors=True)
+
+
+def is_moe(model_path: str) -> bool:
+    cfg = json.loads((Path(model_path) / "config.json").read_text())
+    return bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
