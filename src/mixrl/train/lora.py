@@ -48,7 +48,7 @@ def is_lora(model: Any) -> bool:
 
 
 def merged_state_dict(sd: dict[str, Tensor], scaling: float) -> dict[str, Tensor]:
-    """Base key names with ``W + scaling · B A`` folded in (float32 math, the base dtype out)."""
+    """Base key names with ``W + scaling · B A`` folded in (at least float32 math, the base dtype out)."""
     out: dict[str, Tensor] = {}
     for k, v in sd.items():
         if ".lora_" in k:
@@ -58,9 +58,10 @@ def merged_state_dict(sd: dict[str, Tensor], scaling: float) -> dict[str, Tensor
             continue
         prefix, name = k.split(".base_layer.", 1)
         if name == "weight":
-            a = sd[f"{prefix}.lora_A.{ADAPTER}.weight"].float()  # [r, d_in]
-            b = sd[f"{prefix}.lora_B.{ADAPTER}.weight"].float()  # [d_out, r]
-            v = (v.float() + scaling * (b @ a)).to(v.dtype)
+            acc = torch.promote_types(v.dtype, torch.float32)  # never below float32 (bf16 bases)
+            a = sd[f"{prefix}.lora_A.{ADAPTER}.weight"].to(acc)  # [r, d_in]
+            b = sd[f"{prefix}.lora_B.{ADAPTER}.weight"].to(acc)  # [d_out, r]
+            v = (v.to(acc) + scaling * (b @ a)).to(v.dtype)
         out[f"{prefix}.{name}"] = v
     return out
 
