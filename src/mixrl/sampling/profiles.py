@@ -81,6 +81,11 @@ class Profile(BaseModel):
     tokens_per_second: float = Field(
         gt=0, le=1e7, description="modelled decode tokens/s of one GPU (cost model)"
     )
+    max_batch_tokens: int | None = Field(
+        None, ge=2, le=1 << 30,
+        description="built-in engine: token budget of one decoded batch (rows x context), bounding "
+        "its KV cache whatever the number of sessions; None = max_batch rows only",
+    )
 
     @field_validator("weight_format")
     @classmethod

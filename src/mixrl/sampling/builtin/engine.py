@@ -109,6 +109,11 @@ class BuiltinEngine(Engine):
         seed: engine seed for requests without ``params.seed``.
         max_batch: rows decoded together; a longer request list runs in chunks of
             this size, grouped by prompt length to limit padding.
+        max_batch_tokens: token budget of one decoded chunk, ``rows x (longest prompt
+            + longest output)``: the KV cache and activations it allocates. Chunks are cut
+            to fit it whatever the number of requests; a request alone may exceed it. None
+            = ``profile.max_batch_tokens`` (set per group by ``fleet.groups.*.overrides``),
+            else only ``max_batch`` bounds a chunk.
         max_context: prompt + output limit (default and maximum: the config's
             ``max_position_embeddings``).
         num_threads: ``torch.set_num_threads`` for the process (torch is process-wide).
@@ -133,9 +138,15 @@ class BuiltinEngine(Engine):
         num_threads: int | None = None,
         stop_on_eos: bool = True,
         forward: str = "auto",
+        max_batch_tokens: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if max_batch_tokens is None:
+            max_batch_tokens = getattr(profile, "max_batch_tokens", None)
+        if max_batch_tokens is not None and max_batch_tokens < 2:
+            raise ValueError(f"max_batch_tokens must be >= 2, got {max_batch_tokens}")
+        self.max_batch_tokens = max_batch_tokens
         if num_threads is not None:
             if num_threads < 1:
                 raise ValueError(f"num_threads must be >= 1, got {num_threads}")
@@ -203,12 +214,28 @@ class BuiltinEngine(Engine):
             else:
                 results[i] = self._failed(reason, msg)
         ok.sort(key=lambda t: len(requests[t[0]].prompt_ids))  # similar lengths share a batch
-        for c in range(0, len(ok), self.max_batch):
-            chunk = ok[c : c + self.max_batch]
+        for chunk in self._chunks(ok, requests):
             outs = self._run([requests[i] for i, _ in chunk], [s for _, s in chunk])
             for (i, _), res in zip(chunk, outs, strict=True):
                 results[i] = res
         return [r for r in results if r is not None]
+
+    def _chunks(self, ok: list[tuple[int, int]], requests: list[GenerationRequest]) -> list[list[tuple[int, int]]]:
+        """Consecutive runs of ``ok`` with at most ``max_batch`` rows and ``max_batch_tokens``
+        cache columns in all (rows x (longest prompt + longest output), as ``_run`` allocates)."""
+        out: list[list[tuple[int, int]]] = []
+        cur: list[tuple[int, int]] = []
+        P = N = 0
+        for item in ok:
+            n = len(requests[item[0]].prompt_ids)
+            p, m = max(P, n), max(N, min(requests[item[0]].params.max_new_tokens, self.max_context - n))
+            over = self.max_batch_tokens is not None and (len(cur) + 1) * (p + m) > self.max_batch_tokens
+            if cur and (len(cur) == self.max_batch or over):
+                out.append(cur)
+                cur, p, m = [], n, min(requests[item[0]].params.max_new_tokens, self.max_context - n)
+            cur.append(item)
+            P, N = p, m
+        return out + [cur] if cur else out
 
     def _check(self, r: GenerationRequest) -> tuple[FinishReason | None, str]:
         n, V = len(r.prompt_ids), self.vocab
