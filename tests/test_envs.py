@@ -50,7 +50,6 @@ def test_tokenizer_saved_and_reloaded(tmp_path, chat: ChatFormat) -> None:
 
 
 def test_chat_layout(chat: ChatFormat) -> None:
-    assert chat.native
     p = chat.prompt("hi", system="sys")
     assert chat.decode(p) == "<|system|>sys<|end|><|user|>hi<|end|><|assistant|>"
     assert chat.decode(chat.tool_result("42")) == "<|tool|>42<|end|><|assistant|>"
@@ -59,18 +58,18 @@ def test_chat_layout(chat: ChatFormat) -> None:
     assert chat.reply_text(chat.assistant("<answer>5</answer>")) == "<answer>5</answer>"
 
 
-def test_chat_generic_tokenizer_falls_back_to_text_markers() -> None:
+def test_chat_tokenizer_without_template_is_refused() -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
+    from mixrl.envs.chat import ChatTemplateError
 
     v = {chr(i): i - 32 for i in range(32, 127)} | {"\n": 95, "[UNK]": 96, "</s>": 97}
     t = Tokenizer(models.WordLevel(v, unk_token="[UNK]"))
     t.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     t.decoder = decoders.Fuse()
-    c = ChatFormat(PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>", unk_token="[UNK]"))
-    assert not c.native and c.end_of_turn_id == c.eos_id == 97
-    assert c.decode(c.prompt("hi")) == "\n<|user|>\nhi</s>\n<|assistant|>\n"
-    assert c.tool_result("1")[-len(c.assistant_header):] == c.assistant_header
+    with pytest.raises(ChatTemplateError, match="model.chat_template"):
+        ChatFormat(PreTrainedTokenizerFast(tokenizer_object=t, eos_token="</s>", unk_token="[UNK]"))
 
 
 # -- turn rules ----------------------------------------------------------------------------

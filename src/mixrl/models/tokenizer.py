@@ -15,6 +15,9 @@ Vocabulary (ids are stable; 109 in all):
   the tags survive ``decode(skip_special_tokens=True)``;
 - then newline and the 95 printable ASCII characters.
 
+It carries its own Jinja chat template (``CHAT_TEMPLATE``), saved with it, so
+conversations are built by ``apply_chat_template`` as for any other model.
+
 Why character level: the bundled tasks are arithmetic and short strings;
 one token per character keeps the vocabulary small (a 100-token softmax
 makes exact KL and full-support recording cheap) and every string of
@@ -43,6 +46,28 @@ TAG_TOKENS: tuple[str, ...] = ("<calc>", "</calc>", "<answer>", "</answer>")
 ALPHABET: str = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + printable ASCII
 
 assert set(string.printable) - set(ALPHABET) <= set("\t\r\x0b\x0c")
+
+
+# The chat layout as a Jinja template (what ``mixrl.envs.chat`` renders every turn with):
+#   [<|system|>SYSTEM[\n\nTools:\n{schema}...]<|end|>] <|user|>USER<|end|> <|assistant|>REPLY<|end|>
+#   <|tool|>RESULT<|end|> ... and the generation prompt <|assistant|>.
+CHAT_TEMPLATE = (
+    "{%- set ns = namespace(rest=messages) -%}"
+    "{%- if messages and messages[0].role == 'system' -%}"
+    "<|system|>{{ messages[0].content }}"
+    "{%- if tools %}{{ '\\n\\n' }}Tools:{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}{% endif -%}"
+    "<|end|>{%- set ns.rest = messages[1:] -%}"
+    "{%- elif tools -%}"
+    "<|system|>Tools:{% for t in tools %}{{ '\\n' }}{{ t | tojson }}{% endfor %}<|end|>"
+    "{%- endif -%}"
+    "{%- for m in ns.rest -%}"
+    "{%- if m.role not in ['system', 'user', 'assistant', 'tool'] -%}"
+    "{{ raise_exception('unknown role ' + m.role) }}"
+    "{%- endif -%}"
+    "<|{{ m.role }}|>{{ m.content }}<|end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
 
 
 def vocab() -> dict[str, int]:
@@ -76,6 +101,7 @@ def build_tokenizer() -> Any:
         bos_token="<|bos|>",
         model_max_length=4096,
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )
 
 
