@@ -61,7 +61,8 @@ FAMILIES: dict[str, Family] = {}
 LAZY_FAMILIES: dict[str, str] = {"coding": "mixrl.envs.coding"}
 # Environments named by a prefix, built by a module imported on first use (its ``family(name)``):
 # ``openai_agent:PATH.py:FUNCTION`` runs agent code written against the openai client.
-PREFIXED: dict[str, str] = {"openai_agent:": "mixrl.serve.agent_env"}
+# ``verifiers:MODULE`` runs a verifiers environment (its dataset, rollout and rubric).
+PREFIXED: dict[str, str] = {"openai_agent:": "mixrl.serve.agent_env", "verifiers:": "mixrl.serve.verifiers_env"}
 MIXES: dict[str, tuple[str, ...]] = {"mix": ("calc", "upper")}
 
 
@@ -128,7 +129,7 @@ def get_family(name: str) -> Family:
         eps = _entry_points()
         if name in eps:
             return _plugin(name, eps[name].load())
-        raise ValueError(f"unknown environment {name!r}; choose one of {known_names()} or 'package.module:Class'")
+        raise ValueError(f"unknown task family {name!r}; known: {known_names()} (or an Env class as 'package.module:Class')")
     return FAMILIES[name]
 
 
