@@ -26,6 +26,8 @@ repeat them. Measurements, each a named entry of ``MEASUREMENTS`` (a function
   measured alternately in one process (median of ``--repeats`` after one
   warm-up each): ``packed_over_padded`` (goal >= 1.3), with the model-input
   tokens each spends (padding included) and the fraction that is padding.
+- ``fsdp``, ``lora``: 2 FSDP2 ranks vs 1 trainer, LoRA vs full fine-tuning
+  (``mixrl.bench.trainer_dist``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mixrl.bench.trainer_dist import measure_fsdp, measure_lora
+
 SIZES = (128, 512, 1024)
 
 
@@ -57,6 +61,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--unbounded", action="store_true", help="also measure memory without a budget")
     parser.add_argument("--model", default="bundled", help='policy: "bundled" or an HF directory')
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fsdp-steps", type=int, default=3, help="updates compared for fsdp")
+    parser.add_argument("--fsdp-batch", type=int, default=16, help="trajectories per update for fsdp")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--memory-child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--data", default=None, help=argparse.SUPPRESS)
@@ -234,6 +240,8 @@ def measure_packing(args: argparse.Namespace, data: dict[str, Any]) -> dict[str,
 MEASUREMENTS: dict[str, Callable[[argparse.Namespace, dict[str, Any]], dict[str, Any]]] = {
     "memory": measure_memory,
     "packing": measure_packing,
+    "fsdp": measure_fsdp,  # bench.trainer_dist: 2 FSDP2 ranks vs 1 trainer
+    "lora": measure_lora,  # bench.trainer_dist: LoRA vs full fine-tuning
 }
 
 

@@ -12,6 +12,17 @@ in-process; only the handles differ:
   which the handle turns into ``ReplicaFailure`` so the fleet's failover path
   takes over.
 
+Placement: every sampler replica and every trainer rank reserves real Ray
+resources (``num_cpus``, ``num_gpus``, ``memory`` from its fleet group or
+``[trainer]``) in a placement group, and a group that names an
+``accelerator_type`` also asks for Ray's ``accelerator_type:<name>`` resource,
+which only nodes of that hardware have (Ray sets it on GPU nodes; a simulated
+or CPU node declares it with ``ray start --resources``). So on a cluster of
+mixed nodes each group lands on its hardware, and a replica whose node is
+removed fails over like any dead replica. A new local cluster declares as many
+logical CPUs as the fleet needs at its largest (its cores are time-shared, as
+in the embedded backend).
+
 Authentication: every cluster runs with Ray's token authentication
 (``RAY_AUTH_MODE=token``); mixrl never opts out. ``start`` joins
 ``runtime.ray.address`` or ``$RAY_ADDRESS`` when set, with the token from
@@ -26,6 +37,7 @@ temporary directory.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import tempfile
@@ -33,6 +45,8 @@ from typing import Any
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mixrl.config.run import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
@@ -40,9 +54,41 @@ from mixrl.rollout.types import Trajectory
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
 
-# Actors reserve no CPU: the machine's cores are shared by time, and a CPU
-# reservation per actor would stop a small machine from placing the fleet.
+# Actors take their resources from their placement-group bundle (``_placed``).
 _ACTOR_OPTS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
+PLACEMENT_TIMEOUT_S = 60.0  # a bundle no node can hold fails its replica instead of waiting forever
+
+
+def bundle(num_cpus: float, num_gpus: float, memory_gb: float, accelerator_type: str | None) -> dict[str, float]:
+    """One placement-group bundle: what a replica or rank reserves (zero entries left out)."""
+    b = {"CPU": num_cpus, "GPU": num_gpus, "memory": float(int(memory_gb * 2**30))}
+    if accelerator_type:
+        b[f"accelerator_type:{accelerator_type}"] = 0.001  # as Ray's own accelerator_type option
+    return {k: v for k, v in b.items() if v > 0}
+
+
+def _actor_options(pg: Any, index: int, b: dict[str, float]) -> dict[str, Any]:
+    """Options that put an actor into bundle ``index`` of ``pg``, asking for the bundle's resources."""
+    if pg is None:
+        return {}
+    custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU", "memory")}
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            "num_cpus": b.get("CPU", 0), "num_gpus": b.get("GPU", 0), "memory": b.get("memory") or None,
+            "resources": custom or None}
+
+
+async def _placed(bundles: list[dict[str, float]], strategy: str, what: str) -> Any:
+    """A ready placement group for ``bundles`` (None when nothing is reserved)."""
+    if not any(bundles):
+        return None
+    pg = placement_group(bundles, strategy=strategy, name=what)
+    try:
+        await asyncio.wait_for(pg.ready(), PLACEMENT_TIMEOUT_S)
+    except TimeoutError:
+        remove_placement_group(pg)
+        raise ReplicaFailure(f"{what}: no node of the cluster can hold {bundles[0]} "
+                             f"(waited {PLACEMENT_TIMEOUT_S:g} s)") from None
+    return pg
 
 
 @ray.remote(**_ACTOR_OPTS)
@@ -64,6 +110,9 @@ class SamplerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
 
 @ray.remote(**_ACTOR_OPTS)
@@ -96,6 +145,9 @@ class TrainerActor:
         from mixrl.runtime.trainer_state import save_policy
 
         save_policy(self.trainer, self.tokenizer, out_dir)
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
 
 
 class RayAuthError(ConfigError):
@@ -153,6 +205,75 @@ def check_cluster_token(address: str, timeout_s: float = 10.0) -> None:
                                f"({e.code().name}): check runtime.ray.address / RAY_ADDRESS") from None
 
 
+@ray.remote(**_ACTOR_OPTS)
+class RankActor:
+    """One FSDP2 trainer rank (``runtime.ranks.RankWorker``) in a bundle of the trainer's placement group."""
+
+    def address(self) -> tuple[str, int]:
+        from mixrl.train.distributed import free_port
+
+        return ray.util.get_node_ip_address(), free_port()  # rank 0 hosts the rendezvous
+
+    def setup(self, rank: int, world: int, addr: str, port: int, cfg: dict[str, Any], model_path: str,
+              loss_cfg: Any) -> None:
+        from mixrl.runtime.ranks import RankWorker
+
+        self.rank = rank
+        self.worker = RankWorker(rank, world, addr, port, cfg, model_path, loss_cfg)
+
+    def call(self, cmd: str, *args: Any) -> Any:
+        out = getattr(self.worker, cmd)(*args)
+        return out if self.rank == 0 or cmd == "memory_bytes" else None
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+
+class RayRanks(TrainerHandle):
+    """``trainer.world_size`` rank actors; every command goes to all of them, rank 0 answers."""
+
+    def __init__(self, actors: list[Any], pg: Any):
+        self.actors, self.pg, self.actor = actors, pg, actors[0]
+        self._lock = asyncio.Lock()
+
+    async def _all(self, cmd: str, *args: Any) -> list[Any]:
+        from mixrl.runtime.ranks import RankFailure
+
+        async with self._lock:  # collective: same order on every rank
+            refs = [a.call.remote(cmd, *args) for a in self.actors]
+            try:
+                await asyncio.gather(*refs)
+            except (RayActorError, RayTaskError) as e:
+                for a in self.actors:
+                    ray.kill(a, no_restart=True)
+                raise RankFailure(f"a trainer rank failed during {cmd!r}: {e}") from e
+            return refs
+
+    async def step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
+        return await (await self._all("step", trajectories, advantages))[0]
+
+    async def version(self) -> int:
+        return await (await self._all("version"))[0]
+
+    async def weights(self) -> Any:
+        return (await self._all("weights"))[0]  # rank 0's gathered state stays in the object store
+
+    async def state(self) -> dict[str, Any]:
+        return await (await self._all("state"))[0]
+
+    async def load_state(self, state: dict[str, Any]) -> None:
+        await self._all("load_state", state)
+
+    async def save_policy(self, out_dir: str) -> None:
+        await self._all("save_policy", out_dir)
+
+    async def close(self) -> None:
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+
+
 def _replica_error(e: BaseException, name: str) -> BaseException:
     """Map Ray's errors onto the fleet's: a dead actor or a failed engine is a replica failure."""
     if isinstance(e, RayActorError):
@@ -163,8 +284,8 @@ def _replica_error(e: BaseException, name: str) -> BaseException:
 
 
 class RaySampler(SamplerHandle):
-    def __init__(self, name: str, group: str, actor: Any):
-        self.name, self.group, self.actor = name, group, actor
+    def __init__(self, name: str, group: str, actor: Any, pg: Any = None):
+        self.name, self.group, self.actor, self.pg = name, group, actor, pg
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         try:
@@ -180,11 +301,13 @@ class RaySampler(SamplerHandle):
 
     async def close(self) -> None:
         ray.kill(self.actor, no_restart=True)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
 
 
 class RayTrainer(TrainerHandle):
-    def __init__(self, actor: Any):
-        self.actor = actor
+    def __init__(self, actor: Any, pg: Any = None):
+        self.actor, self.pg = actor, pg
 
     async def step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
         return await self.actor.step.remote(trajectories, advantages)
@@ -208,6 +331,8 @@ class RayTrainer(TrainerHandle):
 
     async def close(self) -> None:
         ray.kill(self.actor, no_restart=True)
+        if self.pg is not None:
+            remove_placement_group(self.pg)
 
 
 class RayBackend(Backend):
@@ -229,32 +354,81 @@ class RayBackend(Backend):
         else:
             tmp = tempfile.mkdtemp(prefix="mixrl-ray-")
             ray.init(
-                num_cpus=self.cfg.runtime.ray.num_cpus or os.cpu_count(), include_dashboard=False,
-                _temp_dir=tmp, log_to_driver=False, configure_logging=False,
+                num_cpus=self.cfg.runtime.ray.num_cpus or max(os.cpu_count() or 1, self._cpus_needed()),
+                include_dashboard=False, _temp_dir=tmp, log_to_driver=False, configure_logging=False,
             )
         self._started_here = True
 
+    def _cpus_needed(self) -> int:
+        """Logical CPUs of the fleet at its largest plus the trainer ranks."""
+        t = self.cfg.trainer
+        need = sum(g.max_replicas * g.num_cpus for g in self.cfg.fleet.groups) + t.world_size * t.num_cpus
+        return int(need + 0.999)
+
+    def _trainer_bundle(self) -> dict[str, float]:
+        t = self.cfg.trainer
+        return bundle(t.num_cpus, t.num_gpus, t.memory_gb, t.accelerator_type)
+
     async def make_trainer(self) -> TrainerHandle:
-        actor = TrainerActor.remote(  # type: ignore[attr-defined]
+        b = self._trainer_bundle()
+        world = self.cfg.trainer.world_size
+        if world > 1:  # FSDP2 ranks: one actor per bundle of one placement group
+            pg = await _placed([b] * world, "PACK", "mixrl-trainer-ranks")
+            actors = [RankActor.options(**_actor_options(pg, i, b)).remote()  # type: ignore[attr-defined]
+                      for i in range(world)]
+            addr, port = await actors[0].address.remote()
+            cfg = self.cfg.model_dump(mode="json")
+            await asyncio.gather(*[a.setup.remote(i, world, addr, port, cfg, self.model_path, self.loss_cfg)
+                                   for i, a in enumerate(actors)])
+            self.trainer = RayRanks(actors, pg)
+            return self.trainer
+        pg = await _placed([b], "STRICT_PACK", "mixrl-trainer")
+        actor = TrainerActor.options(**_actor_options(pg, 0, b)).remote(  # type: ignore[attr-defined]
             self.cfg.model_dump(mode="json"), self.model_path, self.loss_cfg
         )
         await actor.version.remote()  # raises here if the trainer cannot be built
-        return RayTrainer(actor)
+        self.trainer = RayTrainer(actor, pg)
+        return self.trainer
 
     async def make_sampler(self, group: str, name: str) -> SamplerHandle:
         from mixrl.runtime.backends.inprocess import group_profile, replica_seed
 
         prof = group_profile(self.cfg, group)
-        actor = SamplerActor.remote(  # type: ignore[attr-defined]
+        g = next(x for x in self.cfg.fleet.groups if x.name == group)
+        b = bundle(g.num_cpus, g.num_gpus, g.memory_gb, g.accelerator_type)
+        pg = await _placed([b], "STRICT_PACK", f"mixrl-{name}")
+        actor = SamplerActor.options(**_actor_options(pg, 0, b)).remote(  # type: ignore[attr-defined]
             self.model_path, prof, group, replica_seed(self.cfg.runtime.seed, name), self.cfg.runtime.torch_threads
         )
         try:
             await actor.pid.remote()
         except RayActorError as e:
+            if pg is not None:
+                remove_placement_group(pg)
             raise ReplicaFailure(f"replica {name} could not start: {e}") from e
-        h = RaySampler(name, group, actor)
+        h = RaySampler(name, group, actor, pg)
         self.samplers[name] = h
         return h
+
+    async def placement(self) -> list[dict[str, Any]]:
+        """Where every live actor runs: name, group, requested accelerator, node id and its resources."""
+        nodes = {n["NodeID"]: n for n in ray.nodes() if n.get("Alive")}
+        want = {g.name: g.accelerator_type for g in self.cfg.fleet.groups}
+        rows = []
+        handles: list[tuple[str, str, str | None, Any]] = [
+            (n, h.group, want.get(h.group), h.actor) for n, h in self.samplers.items()]
+        if getattr(self, "trainer", None) is not None:
+            handles.append(("trainer", "trainer", self.cfg.trainer.accelerator_type, self.trainer.actor))
+        for name, group, accel, actor in handles:
+            try:
+                node = await actor.node.remote()
+            except (RayActorError, RayTaskError):
+                continue  # dead: not placed anywhere
+            types = sorted(k.split(":", 1)[1] for k in nodes.get(node, {}).get("Resources", {})
+                           if k.startswith("accelerator_type:"))
+            rows.append({"actor": name, "group": group, "wants": accel or "-", "node": node[:12],
+                         "node_accelerators": ",".join(types) or "-"})
+        return rows
 
     def kill(self, name: str) -> None:
         """Kill a replica's actor process (fault injection)."""
