@@ -26,12 +26,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import signal
 import threading
 import traceback
 from typing import Any
 
 
 def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, threads: int) -> None:
+    # Ctrl-C reaches the whole process group: the orchestrator handles it (checkpoint, then
+    # it stops its workers); a worker dying first would turn the stop into replica failures.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import torch
 
