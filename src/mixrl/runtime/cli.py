@@ -68,6 +68,8 @@ def resolve_paths(cfg: Any, base: Path | None) -> None:
 
     if cfg.env.name.startswith("openai_agent:"):  # openai_agent:PATH.py:FUNCTION
         cfg.env.name = "openai_agent:" + fn(cfg.env.name[len("openai_agent:"):])
+    if cfg.env.name.startswith("verifiers:") and cfg.env.name.endswith(".py"):  # verifiers:PATH.py
+        cfg.env.name = "verifiers:" + _resolve(cfg.env.name[len("verifiers:"):], base)
     if cfg.reward.function is not None:
         cfg.reward.function = fn(cfg.reward.function)
     if cfg.reward.functions:

@@ -91,26 +91,30 @@ def _reward(out: Any) -> tuple[float | None, dict[str, Any]]:
     return float(reward), dict(info) if isinstance(info, dict) else {"agent_info": repr(info)[:200]}
 
 
-class OpenAIAgentEnv(Env):
-    """One agent episode; driven by ``run_episode`` (the session runner calls it instead of reset/step)."""
+class EndpointEnv(Env):
+    """An episode played by code that samples through the in-run endpoint (``play``).
 
-    def __init__(self, task: Task, chat: Any, *, agent: Callable[..., Any], timeout_s: float = 300.0,
-                 model: str = "policy") -> None:
+    The session runner calls ``run_episode`` instead of reset/step; the record of the
+    episode's session is the trajectory."""
+
+    def __init__(self, task: Task, chat: Any, *, timeout_s: float = 300.0, model: str = "policy") -> None:
         if not timeout_s > 0:
             raise ValueError(f"env.options.timeout_s must be > 0, got {timeout_s}")
-        self.task, self.chat, self.agent, self.timeout_s, self.model = task, chat, agent, timeout_s, model
+        self.task, self.chat, self.timeout_s, self.model = task, chat, timeout_s, model
+
+    async def play(self, base_url: str, api_key: str, session: str) -> Any:
+        """Run the episode against the endpoint; return ``reward`` or ``(reward, info)``."""
+        raise NotImplementedError
 
     async def reset(self) -> list[int]:
-        raise TypeError("an agent episode is driven by run_episode, not reset/step")
+        raise TypeError("an endpoint episode is driven by run_episode, not reset/step")
 
     async def step(self, generated: list[int], finish_reason: str) -> StepResult:
-        raise TypeError("an agent episode is driven by run_episode, not reset/step")
+        raise TypeError("an endpoint episode is driven by run_episode, not reset/step")
 
     async def run_episode(self, generate: Callable[[GenerationRequest], Any], params: SamplingParams, *,
                           prompt_id: str, sample_idx: int, max_total_tokens: int,
                           resume: Trajectory | None = None) -> Trajectory:
-        import openai
-
         from mixrl.serve.endpoint import InRunEndpoint
 
         ep = await InRunEndpoint.get(self.chat, max_total_tokens=max_total_tokens, record=params.record,
@@ -131,11 +135,8 @@ class OpenAIAgentEnv(Env):
         run_params.adapt = adapt  # type: ignore[attr-defined]
         status, reward, info = "ok", None, {}
         with ep.episode(run_params) as (session, base_url, api_key):
-            client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
-                                        timeout=self.timeout_s, default_headers={"X-Session-ID": session})
             try:
-                row = {k: v for k, v in self.task.data.items() if not k.startswith("_")}  # the dataset's own columns
-                out = await asyncio.wait_for(self.agent(client, row), timeout=self.timeout_s)
+                out = await asyncio.wait_for(self.play(base_url, api_key, session), timeout=self.timeout_s)
                 reward, info = _reward(out)
                 status = "ok" if reward is not None else "agent_failed"
             except asyncio.CancelledError:
@@ -146,8 +147,6 @@ class OpenAIAgentEnv(Env):
                 status = "agent_failed"
                 info = {"error": f"{type(e).__name__}: {e}"[:500],
                         "traceback": "".join(traceback.format_exception(e))[-2000:]}
-            finally:
-                await client.close()
             truncated = ep.core.sessions.state(session).truncated
             traj, earlier = ep.core.sessions.finish(session)
         if traj is None:
@@ -164,6 +163,26 @@ class OpenAIAgentEnv(Env):
 
     async def close(self) -> None:
         pass
+
+
+class OpenAIAgentEnv(EndpointEnv):
+    """``agent(client, row)`` with an ``openai.AsyncOpenAI`` client of its own."""
+
+    def __init__(self, task: Task, chat: Any, *, agent: Callable[..., Any], timeout_s: float = 300.0,
+                 model: str = "policy") -> None:
+        super().__init__(task, chat, timeout_s=timeout_s, model=model)
+        self.agent = agent
+
+    async def play(self, base_url: str, api_key: str, session: str) -> Any:
+        import openai
+
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=self.timeout_s,
+                                    default_headers={"X-Session-ID": session})
+        try:
+            row = {k: v for k, v in self.task.data.items() if not k.startswith("_")}  # the dataset's columns
+            return await self.agent(client, row)
+        finally:
+            await client.close()
 
 
 def family(name: str) -> Any:
