@@ -150,3 +150,38 @@ def test_two_ranks_match_one_rank_after_three_steps(bundled: str, tmp_path: Path
     assert ratio <= 0.6
     shards = sorted(p.name for p in Path(r["state"]["dcp"]).iterdir() if p.suffix == ".distcp")
     assert len(shards) == 2  # one shard file per rank (torch.distributed.checkpoint)
+
+
+def test_a_killed_rank_raises_rank_failure_not_a_hang(tmp_path: Path) -> None:
+    import time
+
+    from transformers import AutoModelForCausalLM
+
+    from mixrl.models.policy import tiny_config
+    from mixrl.models.tokenizer import save_tokenizer
+    from mixrl.runtime.ranks import LocalRanks, RankFailure
+    from mixrl.runtime.run import resolve_loss
+    from mixrl.train.trainer import needed_cand_kind
+
+    path = tmp_path / "tiny"
+    tok = save_tokenizer(path)
+    AutoModelForCausalLM.from_config(tiny_config(len(tok), pad_id=tok.pad_token_id)).save_pretrained(path)
+    cfg = fsdp_cfg(str(path), tmp_path / "run", 2)
+    loss_cfg = resolve_loss(cfg)[0]
+    trajs, adv = batch(len(tok), needed_cand_kind(loss_cfg), 8, seed=0)
+
+    async def main() -> tuple[float, list[Any]]:
+        ranks = await LocalRanks(cfg, str(path), loss_cfg).started()
+        try:
+            await ranks.step(trajs, adv)
+            ranks.procs[1].kill()  # a rank process dies between two updates
+            t0 = time.perf_counter()
+            with pytest.raises(RankFailure, match="rank 1"):
+                await ranks.step(trajs, adv)  # rank 0 would block in its first collective forever
+            return time.perf_counter() - t0, ranks.procs
+        finally:
+            await ranks.close()
+
+    took, procs = asyncio.run(main())
+    print(f"RankFailure {took:.1f} s after the kill")
+    assert took < 30 and not any(p.is_alive() for p in procs)  # the survivor is stopped too
