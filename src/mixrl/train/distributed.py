@@ -66,9 +66,9 @@ class _Root(nn.Module):
     unsharded, and the backward hooks reduce-scatter their gradients.
     """
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: Any) -> None:
         super().__init__()
-        self.lm = lm
+        self.lm: Any = lm
         self.trainer: Any = None  # set after construction; not a submodule
 
     def forward(self, tb: Any, records: Any) -> Any:
@@ -79,7 +79,7 @@ class _Root(nn.Module):
         return Trainer._forward(self.trainer, tb, records)
 
 
-class _Lockstep(list):  # type: ignore[type-arg]
+class _Lockstep(list[Any]):
     """This rank's micro-batches; iterating runs empty passes up to the busiest rank's count."""
 
     def __init__(self, items: list[Any], pad: int, trainer: RankTrainer) -> None:
@@ -92,7 +92,7 @@ class _Lockstep(list):  # type: ignore[type-arg]
             self.trainer.empty_pass()
 
 
-def shard(lm: nn.Module, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> _Root:
+def shard(lm: Any, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> _Root:
     """``fully_shard`` every decoder layer, then the root; gradients are summed, not averaged."""
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -186,7 +186,7 @@ class RankTrainer(Trainer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(self.model, options=opts)
+        full: dict[str, Any] = get_model_state_dict(self.model, options=opts)
         dtype = DTYPES[self.compute_precision]
         return {k: v.to(dtype) for k, v in full.items()} if self.rank == 0 else {}
 
@@ -223,7 +223,7 @@ class RankTrainer(Trainer):
             raise ValueError("this checkpoint was written by one trainer process; set trainer.world_size=1 "
                              "to resume it")
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=_frozen_out())
-        sd = {"model": model_sd, "optimizer": optim_sd}
+        sd: dict[str, Any] = {"model": model_sd, "optimizer": optim_sd}
         dcp.load(sd, checkpoint_id=state["dcp"])  # resharded if world_size changed
         set_state_dict(self.model, self.optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optimizer"],
                        options=_frozen_out())

@@ -161,7 +161,7 @@ _HOST_PORT = re.compile(r"^\[?[A-Za-z0-9.:-]+\]?:\d+$")
 def _require_token_mode() -> None:
     """Token auth on for this process and every process it starts (raylets, workers)."""
     from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR
-    from ray._raylet import AuthenticationTokenLoader, Config
+    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
 
     mode = os.environ.get(AUTH_MODE_ENV_VAR, "token").lower()
     if mode != "token":
@@ -180,7 +180,7 @@ def check_cluster_token(address: str, timeout_s: float = 10.0) -> None:
     (``auto``, ``ray://``) are left to Ray.
     """
     import grpc
-    from ray._raylet import AuthenticationTokenLoader
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
     loader = AuthenticationTokenLoader.instance()
@@ -196,7 +196,8 @@ def check_cluster_token(address: str, timeout_s: float = 10.0) -> None:
     with grpc.insecure_channel(address) as channel:
         stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
         try:
-            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, metadata=metadata)
+            request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]
+            stub.GetClusterId(request, timeout=timeout_s, metadata=metadata)
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise RayAuthError(f"the Ray cluster at {address} refused the auth token: set {_TOKEN_VARS} "
@@ -341,6 +342,7 @@ class RayBackend(Backend):
     def __init__(self, cfg: RunConfig, model_path: str, loss_cfg: Any):
         self.cfg, self.model_path, self.loss_cfg = cfg, model_path, loss_cfg
         self.samplers: dict[str, RaySampler] = {}
+        self.trainer: Any = None
         self._started_here = False
 
     async def start(self) -> None:
