@@ -16,7 +16,6 @@ from types import SimpleNamespace
 
 from mixrl.runtime.quiet import install_filters
 
-
 install_filters()  # also run by ``import mixrl``; kept here for direct imports of this module
 
 
