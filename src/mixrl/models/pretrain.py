@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-RECIPE_VERSION = 2  # bump when the data or training code changes what a recipe builds
+RECIPE_VERSION = 3  # bump when the data or training code changes what a recipe builds
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,8 @@ def pretrain(recipe: Recipe, out: str | Path, log: Any = print) -> dict[str, Any
             "recipe": dataclasses.asdict(recipe), "recipe_version": RECIPE_VERSION,
             "digest": recipe.digest(), "final_loss": sum(tail) / len(tail), "wall_s": wall,
             "params": sum(p.numel() for p in model.parameters()),
+            "weights_sha256": weights_digest(model),
+            "torch": torch.__version__,
         }
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -225,11 +227,44 @@ def weights_digest(model: Any) -> str:
     return h.hexdigest()
 
 
+def param_stats(model: Any) -> dict[str, list[float]]:
+    """Per tensor: [sum, sum of |x|] in float64 (compares two builds within a tolerance)."""
+    return {name: [float(t.double().sum()), float(t.double().abs().sum())]
+            for name, t in sorted(model.state_dict().items())}
+
+
+def record_check(recipe: Recipe, out: str | Path, steps: int, log: Any = print) -> dict[str, Any]:
+    """Build ``recipe`` shortened to ``steps`` steps and record its digest in ``out/recipe.json``.
+
+    A full rebuild takes minutes; the short one lets a test rebuild the same
+    code path quickly and compare against a digest recorded beside the weights.
+    """
+    import tempfile
+
+    from mixrl.models.policy import load_policy
+
+    short = dataclasses.replace(recipe, steps=steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        pretrain(short, Path(tmp) / "p", log=log)
+        model, _ = load_policy(Path(tmp) / "p")
+        check = {"steps": steps, "digest": short.digest(), "weights_sha256": weights_digest(model),
+                 "param_stats": param_stats(model)}
+    meta_path = Path(out) / "recipe.json"
+    meta = json.loads(meta_path.read_text())
+    meta["check"] = check
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return check
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="recipe seed (data and init)")
-    parser.add_argument("--out", default=None, help="output dir (default: the bundled cache path)")
+    parser.add_argument("--out", default=None, help="output dir (default: the cache, "
+                        "$MIXRL_HOME/policy-<recipe hash>; src/mixrl/models/bundled refreshes the shipped copy)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the output exists")
     parser.add_argument("--steps", type=int, default=None, help="override the recipe's step count")
+    parser.add_argument("--check-steps", type=int, default=0,
+                        help="also record the digest of a build shortened to this many steps "
+                        "(what the shipped policy's rebuild test compares against)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -244,6 +279,8 @@ def main(args: argparse.Namespace) -> int:
     if not build_locked(recipe, out, force=args.force):
         print(f"{out} exists (recipe {recipe.digest()}); --force rebuilds it")
         return 0
+    if args.check_steps > 0:
+        record_check(recipe, out, args.check_steps)
     meta = json.loads((out / "recipe.json").read_text())
     print(f"saved {out}  params {meta['params']:,}  final loss {meta['final_loss']:.4f}  "
           f"wall {meta['wall_s']:.1f}s")
