@@ -7,6 +7,12 @@ uses ``bf16``; ``--profile`` names any other), each sample a full episode
 through the session runner. pass@k is the unbiased estimator of
 ``rollout/passk.py``; a sample counts as correct when its reward is >= 1.
 
+Deterministic given ``--seed`` (and the thread count): every request gets its
+own sampling seed from (seed, task, sample, turn), so neither batching nor
+scheduling changes a token; the JSON carries the policy's digest. On another
+CPU (other float32 kernels) a token can flip only where two candidates tie
+within rounding.
+
 Infrastructure failures (``infra_failed``) are not failures of the model:
 they are left out of each task's n and reported; a task left with fewer than
 k valid samples is left out of pass@k and counted in ``tasks_incomplete``.
@@ -19,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
+import hashlib
 import json
 import time
 from collections import Counter, defaultdict
@@ -41,6 +49,28 @@ def _tokenizer_for(path: Path) -> Any:
         if AutoConfig.from_pretrained(str(path)).vocab_size != len(tok):
             raise ValueError(f"checkpoint {str(path)!r} has no tokenizer and is not the bundled vocabulary") from None
         return tok
+
+
+def weights_digest(path: Path) -> str | None:
+    """The policy's digest: ``recipe.json``'s (the bundled policy), else sha256 of its
+    safetensors files (None when they are over 2 GiB: not worth reading twice)."""
+    meta = path / "recipe.json"
+    if meta.is_file():
+        got = json.loads(meta.read_text()).get("weights_sha256")
+        if got:
+            return str(got)
+    files = sorted(path.glob("*.safetensors"))
+    if not files or sum(f.stat().st_size for f in files) > 2 << 30:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return "files:" + h.hexdigest()
+
+
+def request_seed(seed: int, request_id: str) -> int:
+    """A 63-bit sampling seed from the evaluation seed and ``prompt_id/sample/turn``."""
+    return int.from_bytes(hashlib.sha256(f"eval/{seed}/{request_id}".encode()).digest()[:8], "big") >> 1
 
 
 def summarize(by_task: dict[str, list[Any]], k: int) -> dict[str, Any]:
@@ -90,13 +120,15 @@ def evaluate(
     env_options: dict[str, Any] | None = None,
     max_batch: int = 64,
     num_threads: int | None = None,
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """pass@1 and pass@k of ``model_path`` on ``n_tasks`` held-out tasks of ``task``.
 
     Returns a dict with ``pass@1``, ``pass@<k>``, ``n_tasks``, ``n``, ``k``,
     ``mean_reward``, ``status`` counts, ``infra_failed``, ``tasks_incomplete``,
     ``per_family`` (the same metrics per family) and ``wall_s``.
-    ``env_options`` go to ``make_env`` (they override ``max_turns``).
+    ``env_options`` go to ``make_env`` (they override ``max_turns``);
+    ``chat_template`` (a Jinja file) replaces the tokenizer's own.
     """
     from mixrl.envs.chat import ChatFormat
     from mixrl.envs.registry import make_env, make_task_source
@@ -114,7 +146,12 @@ def evaluate(
     prof = profile or PRECISIONS[precision]
     t0 = time.perf_counter()
     path = resolve(model_path)
-    chat = ChatFormat(_tokenizer_for(path))
+    tok = _tokenizer_for(path)
+    if chat_template:
+        from mixrl.models.loading import read_chat_template
+
+        tok.chat_template = read_chat_template(chat_template)
+    chat = ChatFormat(tok)
     src = make_task_source(task, "heldout", seed)
     n_tasks = len(src) if n_tasks is None else n_tasks
     if not 1 <= n_tasks <= len(src):
@@ -126,9 +163,16 @@ def evaluate(
 
     async def run_all() -> list[Any]:
         sampler = BatchingSampler(engine, max_batch=max_batch)
+
+        async def generate(req: Any) -> Any:
+            # Each request's own seed, from (seed, task, sample, turn): the tokens do not depend
+            # on the order requests reach the engine, the batch they share, or the machine's timing.
+            req.params = dataclasses.replace(req.params, seed=request_seed(seed, req.request_id))
+            return await sampler.generate(req)
+
         try:
             coros = [
-                run_episode(make_env(t, chat, **env_kw), sampler.generate, params,
+                run_episode(make_env(t, chat, **env_kw), generate, params,
                             prompt_id=t.prompt_id, sample_idx=j, max_total_tokens=max_total_tokens)
                 for t in tasks for j in range(n)
             ]
@@ -145,7 +189,10 @@ def evaluate(
     res = summarize(by_task, k)
     fams = sorted(set(family.values()))
     res["per_family"] = {f: summarize({p: v for p, v in by_task.items() if family[p] == f}, k) for f in fams}
-    res.update({"n": n, "k": k, "task": task, "model": str(path), "profile": prof, "seed": seed,
+    import torch
+
+    res.update({"n": n, "k": k, "task": task, "model": str(path), "weights_sha256": weights_digest(path),
+                "profile": prof, "seed": seed, "threads": torch.get_num_threads(),
                 "wall_s": time.perf_counter() - t0})
     return res
 
@@ -160,7 +207,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
     parser.add_argument("--profile", default=None, help="sampler profile name (overrides --precision)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="per assistant turn")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--threads", type=int, default=2,
+                        help="torch threads (default 2: the same numbers on any machine)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
