@@ -3,6 +3,7 @@
     path = resolve_model("bundled")            # the policy shipped in the package
     path = resolve_model("/data/my-model")     # a local Hugging Face directory
     path = resolve_model("Qwen/Qwen3-0.6B")    # a hub id, resolved offline from the local HF cache
+    path = resolve_model("runs/x/checkpoints/step_000040")   # a checkpoint: its hf/ directory
     path = check_model("Qwen/Qwen3-0.6B", chat_template=None)   # resolve + everything below
     tok = load_tokenizer(path, chat_template=None)
 
@@ -45,6 +46,9 @@ def resolve_model(spec: str | Path) -> Path:
 
         return bundled_policy_path()
     p = Path(spec).expanduser()
+    if p.is_dir() and not (p / "config.json").is_file() and (p / "meta.json").is_file() \
+            and (p / "hf" / "config.json").is_file():
+        return p / "hf"  # a run's checkpoint (checkpoints/step_N): the HF directory it holds
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ConfigError(f"model.path: {str(spec)!r} is a directory without config.json "

@@ -8,7 +8,10 @@ One checkpoint (written atomically by ``mixrl.train.checkpoint``) holds:
   of the prompts still open (``RolloutBuffer.state_dict``);
 - ``inflight``: a partial trajectory per running session, at turn granularity
   (``Sessions.partials``); resumed sessions replay it and continue;
-- ``router`` RNG, cost and collapse-monitor state, step counters and timers.
+- ``router`` RNG, cost and collapse-monitor state, step counters and timers;
+- ``hf/``: the policy as an HF model directory (``save_pretrained`` weights,
+  config, tokenizer with its chat template), so ``mixrl eval RUN/checkpoints/step_N``,
+  transformers and vLLM load a checkpoint directly (``mixrl export`` copies one out).
 
 Taken between two updates, in one synchronous slice of the event loop after the
 trainer's state was read, so all parts describe the same instant. On resume
@@ -49,7 +52,27 @@ async def save(orch: Orchestrator) -> Path | None:
         "samples": orch.samples,
     }
     # two parts: tensors (trainer) and plain data (everything the orchestrator holds)
-    return save_checkpoint(Path(orch.cfg.observe.run_dir), orch.step, {"trainer": trainer, "orchestrator": orchestrator})
+    model = trainer.get("model") if isinstance(trainer, dict) else None
+    dirs = {}
+    if isinstance(model, dict) and model:
+        dirs["hf"] = lambda out: write_hf_dir(out, model, orch.model_path, orch.tokenizer)
+    return save_checkpoint(Path(orch.cfg.observe.run_dir), orch.step,
+                           {"trainer": trainer, "orchestrator": orchestrator}, dirs=dirs)
+
+
+def write_hf_dir(out: Path, state_dict: dict[str, Any], model_path: str, tokenizer: Any) -> None:
+    """``state_dict`` as an HF model directory: the architecture of ``model_path``, its weights
+    through ``save_pretrained`` (tied weights handled as transformers does), the tokenizer."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):  # no allocation: the tensors are assigned from the state dict
+        model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    model.tie_weights()
+    model.save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
 
 
 def load(run_dir: str | Path) -> dict[str, Any] | None:

@@ -8,6 +8,9 @@ Layout under ``run_dir``::
         trainer.pt            a part that holds tensors (torch.save)
         orchestrator.json     a JSON-able part (data cursor, buffer, prompts in flight)
         rng.pt                torch / python / numpy RNG states (added automatically)
+        hf/                   a directory written by a ``dirs`` writer: the policy in HF format
+                              (config, safetensors, tokenizer), loadable by transformers, vLLM
+                              and ``mixrl eval``
       latest                  one line: the directory name of the newest checkpoint
 
 Writing (single writer): every file goes into ``checkpoints/.tmp-*`` and is
@@ -34,6 +37,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -113,8 +117,15 @@ def _write(path: Path, value: Any, kind: str) -> None:
         os.fsync(f.fileno())
 
 
-def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any], *, keep: int = 3) -> Path:
-    """Write ``payload`` (part name -> value) as checkpoint ``step``; returns its directory."""
+def save_checkpoint(
+    run_dir: str | Path, step: int, payload: dict[str, Any], *, keep: int = 3,
+    dirs: dict[str, Callable[[Path], None]] | None = None,
+) -> Path:
+    """Write ``payload`` (part name -> value) as checkpoint ``step``; returns its directory.
+
+    ``dirs`` (name -> writer): each writer fills ``<checkpoint>/<name>/`` (the
+    HF-format model directory ``hf``) inside the same atomic write.
+    """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if keep < 1:
@@ -138,7 +149,12 @@ def save_checkpoint(run_dir: str | Path, step: int, payload: dict[str, Any], *, 
             kind = kinds.get(name, "pt")
             _write(tmp / f"{name}.{kind}", value, kind)
             parts[name] = kind
-        _write(tmp / "meta.json", {"step": step, "parts": parts, "created": time.time()}, "json")
+        for name, writer in (dirs or {}).items():
+            if not _NAME.match(name) or name in parts:
+                raise ValueError(f"checkpoint directory name {name!r} must match [A-Za-z0-9_-]+ and not be a part")
+            writer(tmp / name)
+        meta = {"step": step, "parts": parts, "dirs": sorted(dirs or {}), "created": time.time()}
+        _write(tmp / "meta.json", meta, "json")
         _fsync_dir(tmp)
         if final.exists():  # re-saving a step (e.g. after resume): move the old one aside first
             old = Path(tempfile.mkdtemp(prefix=f".tmp-old-{final.name}-", dir=root))
