@@ -4,13 +4,14 @@
 
 Each row is a short arithmetic story with an integer answer, for instance
 
-    {"prompt": "Ava has 23 shells and finds 14 more. How many shells now? What is 23+14?",
+    {"prompt": "What is 23+14? Ava has 23 shells and finds 14 more. How many shells now?",
      "answer": "37", "kind": "more"}
 
 Four kinds of story (more, away, each: a * b, each_more: a * b + c). The
-question ends by naming the expression, which is how the bundled policy
-(warm-started on "What is 12*7+3?") can read it; the stories around it are
-new to the policy, so it starts low and RL improves it in a few minutes.
+question opens by naming the expression, which is how the bundled policy
+(warm-started on "What is 12*7+3?") can read it (placed after the story, the
+tiny policy cannot find it: held-out pass@1 0.005); the story after it is new
+to the policy, which RL has to learn to ignore.
 Train and test stories never share a (kind, numbers) pair.
 """
 
@@ -39,7 +40,7 @@ def story(rng: random.Random) -> dict[str, str]:
     if kind.startswith("each"):
         b = rng.randint(2, 9)
     e = expr.format(a=a, b=b, c=c)
-    q = text.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=a, b=b, c=c) + f" What is {e}?"
+    q = f"What is {e}? " + text.format(n=rng.choice(NAMES), i=rng.choice(ITEMS), a=a, b=b, c=c)
     return {"prompt": q, "answer": str(eval(e)), "kind": kind, "expr": e}  # noqa: S307 - our own digits and +-*
 
 
