@@ -53,22 +53,14 @@ AGENT = textwrap.dedent('''
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def setup(tiny, tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoTokenizer
 
     from mixrl.envs.chat import ChatFormat
-    from mixrl.models.policy import tiny_config
-    from mixrl.models.tokenizer import save_tokenizer
 
-    root = tmp_path_factory.mktemp("agent")
-    path = root / "tiny"
-    tok = save_tokenizer(path)
-    torch.manual_seed(0)
-    cfg = tiny_config(len(tok), layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, max_positions=512,
-                      pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    (root / "agent.py").write_text(AGENT)
-    return path, root / "agent.py", ChatFormat(AutoTokenizer.from_pretrained(str(path)))
+    agent = tmp_path_factory.mktemp("agent") / "agent.py"
+    agent.write_text(AGENT)
+    return tiny, agent, ChatFormat(AutoTokenizer.from_pretrained(str(tiny)))
 
 
 def _episodes(setup, fn: str | list[str], rows: list[dict], *, timeout_s: float = 30.0, max_total_tokens: int = 300):

@@ -19,29 +19,13 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_agent"
 STEPS = 2
 
 
-@pytest.fixture(scope="module")
-def policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    from mixrl.models.policy import tiny_config
-    from mixrl.models.tokenizer import save_tokenizer
-
-    path = tmp_path_factory.mktemp("agentrun") / "tiny"
-    tok = save_tokenizer(path)
-    torch.manual_seed(0)
-    cfg = tiny_config(len(tok), layers=1, hidden=64, heads=2, kv_heads=1, intermediate=64, max_positions=1024,
-                      pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return path
-
-
-def test_example_agent_trains_on_policy_at_fp32(policy: Path, tmp_path: Path) -> None:
+def test_example_agent_trains_on_policy_at_fp32(tiny: Path, tmp_path: Path) -> None:
     from mixrl.config.run import build_config
     from mixrl.runtime.cli import resolve_paths
     from mixrl.runtime.run import train
 
     raw = tomllib.loads((EXAMPLE / "config.toml").read_text())
-    raw["model"] = {"path": str(policy)}
+    raw["model"] = {"path": str(tiny)}
     raw["rollout"].update(group_size=2, prompts_per_step=2, max_new_tokens=12, max_total_tokens=320)
     raw["fleet"] = {"groups": [{"name": "fp32", "profile": "fp32", "replicas": 1, "min_replicas": 1,
                                 "max_replicas": 1}]}

@@ -26,22 +26,6 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evalu
                                                            "required": ["expr"]}}}]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from transformers import AutoModelForCausalLM
-
-    from mixrl.models.policy import tiny_config
-    from mixrl.models.tokenizer import save_tokenizer
-
-    path = tmp_path_factory.mktemp("serve") / "tiny"
-    tok = save_tokenizer(path)
-    torch.manual_seed(0)
-    cfg = tiny_config(len(tok), layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, max_positions=512,
-                      pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return path
-
-
 def _core(path: Path, **kw):
     from transformers import AutoTokenizer
 

@@ -15,23 +15,6 @@ openai = pytest.importorskip("openai")
 MIXRL = [sys.executable, "-m", "mixrl.cli"]
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from mixrl.models.policy import tiny_config
-    from mixrl.models.tokenizer import save_tokenizer
-
-    path = tmp_path_factory.mktemp("servecli") / "tiny"
-    tok = save_tokenizer(path)
-    torch.manual_seed(0)
-    cfg = tiny_config(len(tok), layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, max_positions=512,
-                      pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
-    return path
-
-
 def test_exposed_without_key_is_refused(tiny: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MIXRL_API_KEY"}
     r = subprocess.run([*MIXRL, "serve", str(tiny), "--host", "0.0.0.0"], capture_output=True, text=True,
