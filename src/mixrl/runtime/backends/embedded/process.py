@@ -40,8 +40,8 @@ def mp_context() -> Any:
 
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([
-            "torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "mixrl.runtime.backends.embedded.worker",
+        ctx.set_forkserver_preload([  # mixrl first: it quiets torchao and torch logs for every import after it
+            "mixrl", "torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "mixrl.runtime.backends.embedded.worker",
             "mixrl.sampling.batching", "mixrl.sampling.factory", "mixrl.sampling.builtin.engine", "mixrl.numerics",
         ])
         return ctx
