@@ -187,9 +187,6 @@ def test_run_directory_guard_resume_and_what_changed(capsys: pytest.CaptureFixtu
     one_line_error(capsys, "model: weights", str(other))
 
 
-@pytest.mark.xfail(strict=True, reason="the embedded backend's forkserver preloads transformers (hence torchao) before "
-                   "mixrl, so its 'Failed to load ..._C_mxfp8.so' lines escape the filter; fixed by preloading "
-                   "'mixrl' first in runtime/backends/embedded/process.py")
 def test_a_short_run_prints_only_our_lines_and_pipes_cleanly(tmp_path: Path, tiny: Path) -> None:
     cfg = project(tmp_path, tiny, extra="")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
