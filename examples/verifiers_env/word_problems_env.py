@@ -19,9 +19,10 @@ def exact_answer(completion, answer, **kwargs) -> float:
     return 1.0 if found and found.group(1).strip() == str(answer) else 0.0
 
 
-def load_environment(num_train: int = -1, **kwargs) -> vf.Environment:
+def load_environment(num_train: int = -1, system_prompt: str | None = None) -> vf.Environment:
     ds = load_dataset("json", data_files={"train": str(DATA / "train.jsonl"), "test": str(DATA / "test.jsonl")})
     train, test = (d.rename_column("prompt", "question") for d in (ds["train"], ds["test"]))
     if num_train > 0:
         train = train.select(range(min(num_train, len(train))))
-    return vf.SingleTurnEnv(dataset=train, eval_dataset=test, rubric=vf.Rubric(funcs=[exact_answer]), **kwargs)
+    return vf.SingleTurnEnv(dataset=train, eval_dataset=test, rubric=vf.Rubric(funcs=[exact_answer]),
+                            system_prompt=system_prompt)

@@ -149,6 +149,10 @@ def check_env(name: str, options: dict[str, Any], has_data: bool) -> None:
         raise ValueError(str(e) if str(e).startswith("env.name") else f"env.name: {e}") from None
     if not has_data and any(f.make_task is None for f in fams):
         raise ValueError(f"env.name {name!r} takes its prompts from a dataset: set data.train")
+    for f in fams:  # a family's own check (one that takes any options checks them itself)
+        check = getattr(f.make_env, "check_options", None)
+        if callable(check):
+            check(options)
     valid: set[str] = set()
     for f in fams:
         acc = _accepted(f.make_env)
@@ -158,10 +162,6 @@ def check_env(name: str, options: dict[str, Any], has_data: bool) -> None:
     bad = sorted(set(options) - valid)
     if bad:
         raise ValueError(f"env.options: unknown option(s) {bad} for environment {name!r}; valid: {sorted(valid)}")
-    for f in fams:
-        check = getattr(f.make_env, "check_options", None)
-        if callable(check):
-            check(options)
 
 
 @dataclass
