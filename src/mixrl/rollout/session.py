@@ -49,7 +49,7 @@ from typing import Any
 from mixrl.envs.base import Env, StepResult
 from mixrl.rollout.screen import record_sampling
 from mixrl.rollout.types import Trajectory
-from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams, extend_routing
 
 Generate = Callable[[GenerationRequest], Awaitable[GenerationResult]]
 SAMPLER_FAILURES = ("numerical_error", "error", "context_exceeded")
@@ -81,6 +81,8 @@ def _append_generated(traj: Trajectory, res: GenerationResult) -> None:
     if traj.cand_kind == "none" and res.cand_kind != "none":
         traj.cand_kind = res.cand_kind
     traj.num_nonfinite += res.num_nonfinite
+    # MoE: the experts each generated token was routed to (routing replay in the trainer)
+    traj.routed_experts = extend_routing(traj.routed_experts, traj.num_generated - n, res)
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int, int]]:

@@ -192,6 +192,11 @@ def train(
     from mixrl.models.loading import check_model, load_tokenizer
 
     model_path = str(check_model(cfg.model.path, cfg.model.chat_template))  # ConfigError before any run dir
+    from mixrl.sampling.support import (
+        check_fleet,  # an architecture an engine cannot run: refused now
+    )
+
+    check_fleet(model_path, group_profiles(cfg), routing_replay=resolve_loss(cfg)[0].routing_replay)
     inputs = describe_inputs(cfg, model_path)
     if payload is not None:
         check_unchanged(run_dir, inputs)
