@@ -52,15 +52,15 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def table_eval() -> str:
     rows = []
-    for name, label in (("eval_base.json", "bundled policy"), ("eval_demo.json", "after `mixrl train`")):
+    for name, label in (("eval_bundled.json", "bundled policy"), ("eval_demo.json", "after `mixrl train` (the demo)")):
         art = _load(name)
         if art is None:
             continue
         r = art["result"]
         k = r.get("k", 4)
-        digest = str(r.get("policy_digest") or art.get("policy_digest") or "")[:12]
+        digest = str(r.get("weights_sha256") or "")[:12]
         rows.append([label, f"`{art['command']}`", _fmt(r.get("pass@1")), _fmt(r.get(f"pass@{k}")),
-                     f"{r.get('tasks')} x {r.get('n')}", digest or "-", _machine(art["machine"])])
+                     f"{r.get('n_tasks')} x {r.get('n')}", digest or "-", _machine(art["machine"])])
     return _table(["policy", "command", "pass@1", "pass@k", "tasks x samples", "weights digest", "machine"], rows)
 
 
