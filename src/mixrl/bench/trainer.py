@@ -51,8 +51,9 @@ SIZES = (128, 512, 1024)
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--budget", type=int, default=_default_budget(),
-                        help="optim.micro_batch_tokens (default: the config default)")
+    # 4096: a budget the smallest batch (128 calculator episodes, ~8k tokens) fills, so every
+    # size runs full micro-batches; at the config default (16384) 128 episodes use half of it
+    parser.add_argument("--budget", type=int, default=4096, help="optim.micro_batch_tokens (default 4096)")
     parser.add_argument("--sizes", default=",".join(map(str, SIZES)), help="trajectories per update for memory")
     parser.add_argument("--batch", type=int, default=256, help="trajectories per update for tokens/s")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates per variant (median)")
@@ -70,12 +71,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------ shared pieces
-
-
-def _default_budget() -> int:
-    from mixrl.config.run import OptimConfig
-
-    return int(OptimConfig.model_fields["micro_batch_tokens"].default)
 
 
 def run_config(model_path: str, budget: int | None, packing: bool, seed: int, threads: int) -> Any:
