@@ -76,14 +76,16 @@ def request_seed(seed: int, request_id: str) -> int:
 def summarize(by_task: dict[str, list[Any]], k: int) -> dict[str, Any]:
     """pass@1, pass@k and counts from trajectories grouped by task.
 
-    ``infra_failed`` samples are dropped from a task's n; tasks with fewer
-    than k valid samples are left out of pass@k (``tasks_incomplete``).
+    Samples without a reward (``infra_failed``, ``reward_failed``, ``agent_failed``)
+    are dropped from a task's n; tasks with fewer than k valid samples are left out
+    of pass@k (``tasks_incomplete``).
     """
     from mixrl.rollout.passk import mean_pass_at_k
+    from mixrl.rollout.types import UNREWARDED
 
     counts, incomplete = [], 0
     for trs in by_task.values():
-        valid = [tr for tr in trs if tr.status != "infra_failed"]
+        valid = [tr for tr in trs if tr.status not in UNREWARDED]  # no reward is not a failure
         if len(valid) < k:
             incomplete += 1
             continue

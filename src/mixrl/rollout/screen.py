@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mixrl.rollout.types import Trajectory
+from mixrl.rollout.types import UNREWARDED, Trajectory
 
 
 def record_sampling(traj: Trajectory, params: Any) -> None:
@@ -57,7 +57,7 @@ def malformed(trajs: list[Trajectory], *, vocab_size: int, cand_kind: str) -> li
 
     out: list[str | None] = []
     for t in trajs:
-        if t.status == "infra_failed":
+        if t.status in UNREWARDED:
             out.append(None)  # excluded as infra, not malformed
             continue
         try:

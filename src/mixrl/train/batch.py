@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, fields, replace
 import torch
 from torch import Tensor
 
-from mixrl.rollout.types import Trajectory
+from mixrl.rollout.types import UNREWARDED, Trajectory
 
 
 @dataclass
@@ -158,7 +158,7 @@ def prepare(
     records: list[Record] = []
     names: dict[str, int] = {}  # sampler group -> id, in order of appearance
     for i, (tr, adv) in enumerate(zip(trajectories, advantages, strict=True)):
-        if tr.status == "infra_failed":
+        if tr.status in UNREWARDED:  # no reward (infra, reward function or agent failure): not trained
             stats.dropped_infra += 1
             continue
         try:
