@@ -23,16 +23,12 @@ each function is logged once, with its row index and traceback, to the
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
-import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("mixrl.reward")
@@ -49,32 +45,9 @@ class RewardFailed(Exception):
 
 def load_function(spec: str) -> Callable[..., Any]:
     """``"path/to/file.py:name"`` or ``"package.module:name"`` -> the callable."""
-    mod_part, sep, name = spec.rpartition(":")
-    if not sep or not mod_part or not name:
-        raise RewardError(f"reward function {spec!r}: expected 'file.py:function' or 'package.module:function'")
-    if mod_part.endswith(".py"):
-        path = Path(mod_part).expanduser()
-        if not path.is_file():
-            raise RewardError(f"reward function {spec!r}: file {mod_part} not found")
-        mod_name = f"mixrl_user_reward_{abs(hash(str(path.resolve())))}"
-        try:
-            loader = importlib.util.spec_from_file_location(mod_name, path)
-            assert loader is not None and loader.loader is not None
-            module = importlib.util.module_from_spec(loader)
-            sys.modules[mod_name] = module
-            loader.loader.exec_module(module)
-        except Exception as e:
-            raise RewardError(f"reward function {spec!r}: importing {mod_part} failed: {type(e).__name__}: {e}") from None
-    else:
-        try:
-            module = importlib.import_module(mod_part)
-        except Exception as e:
-            raise RewardError(f"reward function {spec!r}: cannot import {mod_part} ({type(e).__name__}: {e})") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        avail = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise RewardError(f"reward function {spec!r}: {mod_part} has no function {name!r}; it has {avail}")
-    return fn  # type: ignore[no-any-return]
+    from mixrl.envs.plugins import load_attr
+
+    return load_attr(spec, what=f"reward function {spec!r}", error=RewardError)  # type: ignore[no-any-return]
 
 
 @dataclass

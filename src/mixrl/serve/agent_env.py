@@ -37,14 +37,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from mixrl.envs.base import Env, StepResult, Task
@@ -56,32 +52,12 @@ PREFIX = "openai_agent:"
 
 def load_agent(spec: str) -> Callable[..., Any]:
     """``path/to/agent.py:fn`` or ``package.module:fn`` -> the function (ValueError naming what is wrong)."""
-    target, sep, attr = spec.rpartition(":")
-    if not sep or not target or not attr:
-        raise ValueError(f"env.name {PREFIX + spec!r}: expected {PREFIX}PATH.py:FUNCTION or {PREFIX}MODULE:FUNCTION")
-    if target.endswith(".py"):
-        path = Path(target)
-        if not path.is_file():
-            raise ValueError(f"env.name {PREFIX + spec!r}: agent file {target!r} does not exist")
-        name = f"mixrl_agent_{abs(hash(str(path.resolve())))}"
-        mod = sys.modules.get(name)
-        if mod is None:
-            loader_spec = importlib.util.spec_from_file_location(name, path)
-            assert loader_spec is not None and loader_spec.loader is not None
-            mod = importlib.util.module_from_spec(loader_spec)
-            sys.modules[name] = mod
-            loader_spec.loader.exec_module(mod)
-    else:
-        try:
-            mod = importlib.import_module(target)
-        except ImportError as e:
-            raise ValueError(f"env.name {PREFIX + spec!r}: cannot import {target!r}: {e}") from None
-    fn = getattr(mod, attr, None)
-    if not callable(fn):
-        raise ValueError(f"env.name {PREFIX + spec!r}: {target!r} has no function {attr!r}")
+    from mixrl.envs.plugins import load_attr
+
+    fn = load_attr(spec, what=f"env.name {PREFIX + spec!r}")
     if len(inspect.signature(fn).parameters) < 2:
-        raise ValueError(f"env.name {PREFIX + spec!r}: {attr}(client, row) must take two arguments")
-    return fn
+        raise ValueError(f"env.name {PREFIX + spec!r}: {spec.rpartition(':')[2]}(client, row) must take two arguments")
+    return fn  # type: ignore[no-any-return]
 
 
 def _reward(out: Any) -> tuple[float | None, dict[str, Any]]:

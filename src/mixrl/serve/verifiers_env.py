@@ -23,8 +23,6 @@ import importlib.util
 import json
 import os
 import random
-import sys
-from pathlib import Path
 from typing import Any
 
 from mixrl.envs.base import Task
@@ -35,22 +33,9 @@ KEY_VAR = "MIXRL_ENDPOINT_API_KEY"  # verifiers reads the key from an environmen
 
 
 def _module(spec: str) -> Any:
-    if spec.endswith(".py"):
-        path = Path(spec)
-        if not path.is_file():
-            raise ValueError(f"env.name {PREFIX + spec!r}: file {spec!r} does not exist")
-        name = f"mixrl_vf_{path.stem}_{abs(hash(str(path.resolve())))}"
-        if name not in sys.modules:
-            loader = importlib.util.spec_from_file_location(name, path)
-            assert loader is not None and loader.loader is not None
-            mod = importlib.util.module_from_spec(loader)
-            sys.modules[name] = mod
-            loader.loader.exec_module(mod)
-        return sys.modules[name]
-    try:
-        return importlib.import_module(spec)
-    except ImportError as e:
-        raise ValueError(f"env.name {PREFIX + spec!r}: cannot import {spec!r}: {e}") from None
+    from mixrl.envs.plugins import load_module
+
+    return load_module(spec, what=f"env.name {PREFIX + spec!r}")
 
 
 @functools.cache
