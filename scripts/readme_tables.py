@@ -70,6 +70,8 @@ def table_bench() -> str:
         art = json.loads(path.read_text())
         res = art["result"]
         scalars = [f"{k} {_fmt(v)}" for k, v in res.items() if not isinstance(v, (dict, list))]
+        scalars += [f"{k}.{k2} {_fmt(v2)}" for k, v in res.items() if isinstance(v, dict)  # one level down
+                    for k2, v2 in v.items() if k2 in ("median_ms", "tokens_per_s", "p50_ms", "p99_ms", "wall_s")]
         rows.append([f"`{art['command']}`", "; ".join(scalars), _machine(art["machine"])])
     return _table(["command", "result", "machine"], rows)
 
