@@ -27,3 +27,4 @@ def save_tiny_policy(path: Path, hidden: int = 32, heads: int = 2, max_positions
 @pytest.fixture(scope="package")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_policy(tmp_path_factory.mktemp("serve") / "tiny")
+

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from serve_helpers import train_and_keep
 
 torch.set_num_threads(1)
 pytest.importorskip("openai")
@@ -22,7 +23,6 @@ STEPS = 2
 def test_example_agent_trains_on_policy_at_fp32(tiny: Path, tmp_path: Path) -> None:
     from mixrl.config.run import build_config
     from mixrl.runtime.cli import resolve_paths
-    from mixrl.runtime.run import train
 
     raw = tomllib.loads((EXAMPLE / "config.toml").read_text())
     raw["model"] = {"path": str(tiny)}
@@ -35,18 +35,7 @@ def test_example_agent_trains_on_policy_at_fp32(tiny: Path, tmp_path: Path) -> N
     raw["observe"] = {"run_dir": str(tmp_path / "run"), "progress": False, "tensorboard": False}
     cfg = build_config(raw)
     resolve_paths(cfg, EXAMPLE)
-    seen: list = []
-
-    async def spy(orch) -> None:
-        step = orch.trainer.step
-
-        async def recorded(trajs, adv):
-            seen.extend(trajs)
-            return await step(trajs, adv)
-
-        orch.trainer.step = recorded
-
-    summary = train(cfg, hook=spy, evaluate=False, progress=False)
+    summary, seen = train_and_keep(cfg)
     history = summary["history"]
     assert len(history) == STEPS
     assert seen and all(t.task == "openai_agent:" + str(EXAMPLE / "agent.py") + ":run" or t.task for t in seen)

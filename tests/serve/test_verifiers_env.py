@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from serve_helpers import train_and_keep
 
 torch.set_num_threads(1)
 pytest.importorskip("verifiers")
@@ -38,20 +39,8 @@ def _cfg(policy: Path, run_dir: Path, steps: int):
 
 def test_verifiers_environment_trains_on_the_bundled_policy(tmp_path: Path) -> None:
     from mixrl.models.loading import resolve_model
-    from mixrl.runtime.run import train
 
-    seen: list = []
-
-    async def spy(orch) -> None:
-        step = orch.trainer.step
-
-        async def recorded(trajs, adv):
-            seen.extend(trajs)
-            return await step(trajs, adv)
-
-        orch.trainer.step = recorded
-
-    summary = train(_cfg(resolve_model(os.environ.get("VF_TEST_MODEL", "bundled")), tmp_path / "run", 2), hook=spy, evaluate=False, progress=False)
+    summary, seen = train_and_keep(_cfg(resolve_model(os.environ.get("VF_TEST_MODEL", "bundled")), tmp_path / "run", 2))
     history = summary["history"]
     assert len(history) == 2
     assert {t.status for t in seen} <= {"ok", "truncated"}, {t.info.get("error") for t in seen}
