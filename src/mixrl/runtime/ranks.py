@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import traceback
 from typing import Any
 
@@ -139,7 +140,14 @@ class LocalRanks(TrainerHandle):
                     except (EOFError, OSError):
                         status, value = "error", f"the rank process ended (code {self.procs[r].exitcode})"
                     if status == "error":
+                        # a rank whose peer died fails in its next collective: name the dead one
+                        # (the cause) first, this rank's error after it
+                        time.sleep(0.2)
+                        dead = [(q, p.exitcode) for q, p in enumerate(self.procs) if q != r and not p.is_alive()]
                         self._kill()
+                        if dead:
+                            q, code = dead[0]
+                            raise RankFailure(f"trainer rank {q} exited (code {code}); rank {r} failed after it:\n{value}")
                         raise RankFailure(f"trainer rank {r} failed:\n{value}")
                     out[r] = value
                     pending.discard(r)
