@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-KL_KEYS = ("precision/kl_exact", "precision/kl_k3", "mismatch/kl_exact", "mismatch/kl_k3")  # precision first
+# Precision KL (staleness-0 tokens) first; in async runs most steps have none, and then the
+# all-token mismatch KL is shown under its own name, since it is mostly weight lag.
+KL_KEYS = ("precision/kl_exact", "precision/kl_k3", "mismatch/kl_exact", "mismatch/kl_k3")
 
 
 class ProgressBar:
@@ -31,9 +33,9 @@ class ProgressBar:
         if not self.enabled:
             return
         kl_key = next((k for k in KL_KEYS if k in m), None)
-        kl = f"{m[kl_key]:.2e}" if kl_key else "-"
+        kl = f"{kl_key.split('/')[0]} kl {m[kl_key]:.2e}" if kl_key else "kl -"
         info = (
-            f"reward {m.get('rollout/reward', float('nan')):.3f}  kl {kl}  "
+            f"reward {m.get('rollout/reward', float('nan')):.3f}  {kl}  "
             f"stale {m.get('rollout/staleness_mean', 0.0):.2f}/{m.get('rollout/staleness_max', 0.0):.0f}  "
             f"{elapsed:.0f}s"
         )
