@@ -80,6 +80,7 @@ class RolloutConfig(_Section):
     record: str = Field(default="auto", description='which candidates of q to record: "auto" (support if top_p < 1 else head:K), "support", "head:K", "none"')
     head_k: int | None = Field(default=None, ge=1, le=4096, description='K for record = "auto" with full-vocabulary sampling; None = the preset\'s head_k')
     max_inflight_prompts: int | None = Field(default=None, ge=1, le=1 << 16, description="prompts being sampled at once (async); None = 2 * prompts_per_step")
+    interrupt_tokens: int = Field(default=0, ge=0, le=1 << 20, description="> 0: generate each turn in pieces of this many tokens, so weights published mid-turn are loaded and the turn continues under them (partial rollouts; every token keeps its version and log q); 0 = off")
     dynamic_sampling: bool = Field(default=False, description="skip complete groups whose rewards are all equal (no signal) and sample more prompts in their place (DAPO)")
     overlong: Overlong | None = Field(default=None, description='episodes that reach the generation budget: {type="filter"} (no loss) or {type="penalty", buffer=.., factor=..} (DAPO); None = off')
 
@@ -167,7 +168,7 @@ class OptimConfig(_Section):
     lr: float = Field(default=1e-4, gt=0, le=1.0, description="AdamW learning rate")
     weight_decay: float = Field(default=0.0, ge=0, le=1.0, description="AdamW weight decay")
     grad_clip: float = Field(default=1.0, gt=0, le=1e6, description="global gradient-norm clip")
-    precision: Literal["fp32", "bf16"] = Field(default="fp32", description="trainer precision (fp32 on CPU)")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(default="fp32", description="trainer precision (fp32 on CPU; fp16 without loss scaling, single process)")
     epochs: int = Field(default=1, ge=1, le=64, description="optimizer passes over each batch (PPO epochs)")
     minibatches: int = Field(default=1, ge=1, le=4096, description="optimizer steps per epoch")
     micro_batch_tokens: int = Field(default=16384, ge=16, le=1 << 26, description="token budget of one forward/backward (rows x row length, padding included): bounds trainer activation memory whatever the batch size")

@@ -37,6 +37,18 @@ cut mid-way: it continues from the whole prefix and the two pieces form one
 turn, each token keeping its own version and group (a last run that ends
 with a stop id is a finished turn the env has not answered yet: it is
 stepped). The runner closes the env at the end.
+
+Interruptible turns (``chunk_tokens > 0``, ``rollout.interrupt_tokens``): a turn is
+asked for in pieces of at most ``chunk_tokens`` tokens, each piece a request with the
+whole prefix (prompt + the turn so far). A replica loads new weights between two
+batches, so a weights version published while a long turn is being decoded takes
+effect at the next piece: the turn is paused, the new weights loaded, and decoding
+continues by prefilling the tokens generated so far under them (as AReaL and slime
+do). Each token keeps the version, group and log q of the piece that produced it,
+which are the behaviour log-probabilities the trainer's corrections use. A piece
+that ends with a stop id ends the turn; one that is spent (``length``, all its
+tokens) is continued; the turn's limits (``max_new_tokens``, the total budget) are
+those of the whole turn, never of a piece.
 """
 
 from __future__ import annotations
@@ -83,6 +95,19 @@ def _append_generated(traj: Trajectory, res: GenerationResult) -> None:
     traj.num_nonfinite += res.num_nonfinite
     # MoE: the experts each generated token was routed to (routing replay in the trainer)
     traj.routed_experts = extend_routing(traj.routed_experts, traj.num_generated - n, res)
+
+
+def piece_id(turn_id: str, done: int, cut: bool) -> str:
+    """Request id of one piece of a turn: ``@k`` after k tokens of it, ``~`` when the piece
+    is shorter than what the turn may still generate (so a ``length`` finish is not its end)."""
+    return turn_id + (f"@{done}" if done else "") + ("~" if cut else "")
+
+
+def piece_cut(req: GenerationRequest, res: GenerationResult) -> bool:
+    """True when ``res`` answers a cut piece (``piece_id`` with ``~``) and stopped only
+    because the piece was spent: the turn goes on."""
+    return (req.request_id.endswith("~") and res.finish_reason == "length"
+            and len(res.token_ids) == req.params.max_new_tokens)
 
 
 def _runs(mask: list[int]) -> list[tuple[int, int, int]]:
@@ -151,8 +176,12 @@ async def run_episode(
     sample_idx: int,
     max_total_tokens: int,
     resume: Trajectory | None = None,
+    chunk_tokens: int = 0,
 ) -> Trajectory:
-    """Run one episode of ``env``; see the module docstring for every rule."""
+    """Run one episode of ``env``; see the module docstring for every rule.
+
+    ``chunk_tokens > 0``: a turn is generated in pieces of at most that many tokens
+    (see "Interruptible turns" in the module docstring)."""
     if max_total_tokens < 1:
         raise ValueError(f"run_episode: max_total_tokens must be >= 1, got {max_total_tokens}")
     stop = tuple(dict.fromkeys(tuple(params.stop_ids) + tuple(getattr(env, "stop_ids", ()))))
@@ -184,10 +213,12 @@ async def run_episode(
                 finish = "length"
             else:
                 max_new = min(want, room)
+                piece = min(max_new, chunk_tokens) if chunk_tokens > 0 else max_new
                 req = GenerationRequest(
                     prompt_ids=list(traj.tokens),
-                    params=dataclasses.replace(params, max_new_tokens=max_new, stop_ids=stop),
-                    request_id=f"{prompt_id}/{sample_idx}/{len(reasons)}",
+                    params=dataclasses.replace(params, max_new_tokens=piece, stop_ids=stop),
+                    request_id=piece_id(f"{prompt_id}/{sample_idx}/{len(reasons)}", partial, piece < max_new)
+                    if chunk_tokens > 0 else f"{prompt_id}/{sample_idx}/{len(reasons)}",
                 )
                 t0 = time.perf_counter()
                 try:
@@ -200,11 +231,14 @@ async def run_episode(
                     msg = f"sampler finish_reason={res.finish_reason} group={res.group!r}: {res.error}"
                     return _finish(traj, "infra_failed", None, msg)
                 n = len(res.token_ids)
-                if not 1 <= n <= max_new:
-                    return _finish(traj, "infra_failed", None, f"sampler returned {n} tokens (limit {max_new})")
+                if not 1 <= n <= piece:
+                    return _finish(traj, "infra_failed", None, f"sampler returned {n} tokens (limit {piece})")
                 _append_generated(traj, res)
                 record_sampling(traj, req.params)  # the trainer uses these, not the run-wide values
                 finish = res.finish_reason
+                if piece_cut(req, res):  # a piece of a longer turn: continue it (maybe under new weights)
+                    partial += n
+                    continue
                 if finish == "length" and max_new < want:
                     return _finish(traj, "truncated", 0.0)  # cut by the total budget, not the turn limit
             turn = traj.tokens[turn_start:]

@@ -13,6 +13,7 @@ failure may span groups):
     rollout/format_error_end   share of episodes ended by repeated format errors
     rollout/infra_failed       episodes lost to infrastructure (never reward 0)
     rollout/status/<status>    share of each status
+    rollout/mixed_version_turns  turns continued under newer weights (interruptible turns)
 """
 
 from __future__ import annotations
@@ -75,8 +76,23 @@ def rollout_metrics(trajs: list[Trajectory], group_names: list[str]) -> dict[str
     m["rollout/format_error_end"] = sum(t.status == "format_error" for t in trajs) / n
     m["rollout/malformed_calls"] = float(sum(t.num_malformed for t in trajs))
     # agent episodes whose history was edited by the agent: segments left out of training
+    # turns continued under newer weights (rollout.interrupt_tokens): generated runs with > 1 version
+    m["rollout/mixed_version_turns"] = float(sum(mixed_version_turns(t) for t in trajs))
     m["rollout/history_rewrites"] = float(sum(int(t.info.get("history_rewrites", 0)) for t in trajs))
     return m
+
+
+def mixed_version_turns(t: Trajectory) -> int:
+    """Maximal runs of generated tokens of ``t`` whose tokens carry more than one weights version."""
+    out, prev = 0, 0
+    seen: set[int] = set()
+    for m, v in zip(t.loss_mask, t.versions, strict=True):
+        if m:
+            seen.add(v)
+        elif prev:
+            out, seen = out + (len(seen) > 1), set()
+        prev = m
+    return out + (len(seen) > 1)
 
 
 def tokens_by_group(trajs: list[Trajectory]) -> dict[str, int]:

@@ -124,7 +124,7 @@ class Orchestrator:
         self.sessions = Sessions(
             self.fleet, self.buffer, lambda task: make_env(task, chat, **env_opts), params,
             max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.runtime.seed,
-            on_complete=self._on_complete,
+            on_complete=self._on_complete, chunk_tokens=cfg.rollout.interrupt_tokens,
         )
         self.cost = _cost_model(self.profiles)
         self.monitor = _monitor()

@@ -28,6 +28,7 @@ from typing import Any
 from mixrl.envs.base import Task
 from mixrl.fleet.fleet import Fleet
 from mixrl.rollout.buffer import RolloutBuffer
+from mixrl.rollout.session import piece_cut
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 
@@ -49,13 +50,14 @@ class _Shadow:
     prompt_id: str
     sample_idx: int
     base: Trajectory | None = None  # the partial this session was resumed from
-    turns: list[tuple[list[int], GenerationResult]] = dataclasses.field(default_factory=list)
+    # (request prefix, result, whether the result is a cut piece of a turn that goes on)
+    turns: list[tuple[list[int], GenerationResult, bool]] = dataclasses.field(default_factory=list)
 
     def partial(self) -> Trajectory | None:
         """The completed turns as a partial trajectory (None before the first turn)."""
         if not self.turns:
             return self.base
-        last_prefix, last_res = self.turns[-1]
+        last_prefix, last_res, _ = self.turns[-1]
         tokens = list(last_prefix) + list(last_res.token_ids)
         n = len(tokens)
         t = Trajectory(prompt_id=self.prompt_id, sample_idx=self.sample_idx, tokens=tokens)
@@ -70,7 +72,7 @@ class _Shadow:
             t.cand_offsets, t.cand_ids = list(b.cand_offsets), list(b.cand_ids)
             t.cand_logprobs, t.cand_kind = list(b.cand_logprobs), b.cand_kind
             reasons = list(b.info.get("finish_reasons", []))
-        for prefix, res in self.turns:
+        for prefix, res, _ in self.turns:
             s = len(prefix)
             for j in range(len(res.token_ids)):
                 t.loss_mask[s + j] = 1
@@ -83,7 +85,8 @@ class _Shadow:
             t.cand_logprobs += [float(x) for x in res.cand_logprobs]
             if res.cand_kind != "none":
                 t.cand_kind = res.cand_kind
-        reasons += [r.finish_reason for _, r in self.turns]
+        # a cut piece has no finish reason of its own: its turn ends with a later piece
+        reasons += [r.finish_reason for _, r, cut in self.turns if not cut]
         t.turns = len(reasons)
         t.info["finish_reasons"] = reasons
         return t
@@ -100,6 +103,7 @@ class Sessions:
         max_total_tokens: int,
         seed: int,
         on_complete: Callable[[str], None] | None = None,
+        chunk_tokens: int = 0,
     ):
         from mixrl.rollout.session import run_episode
 
@@ -107,6 +111,7 @@ class Sessions:
         self.fleet, self.buffer, self.make_env, self.params = fleet, buffer, make_env, params
         self.max_total_tokens, self.seed = max_total_tokens, seed
         self.on_complete = on_complete
+        self.chunk_tokens = chunk_tokens  # > 0: interruptible turns (rollout.session.run_episode)
         self.tasks: dict[str, asyncio.Task[None]] = {}  # session id -> asyncio task
         self.shadows: dict[str, _Shadow] = {}
         self.finished = 0  # sessions that delivered a trajectory
@@ -136,7 +141,7 @@ class Sessions:
             # The seed depends only on the request id (prompt, sample, turn): replica-independent.
             req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=request_seed(self.seed, req.request_id)))
             res = await self.fleet.generate(sid, req, min_version)
-            shadow.turns.append((list(req.prompt_ids), res))
+            shadow.turns.append((list(req.prompt_ids), res, piece_cut(req, res)))
             return res
 
         try:
@@ -150,7 +155,7 @@ class Sessions:
             else:
                 traj = await self._run_episode(
                     env, generate, self.params, prompt_id=task.prompt_id, sample_idx=idx,
-                    max_total_tokens=self.max_total_tokens, resume=resume,
+                    max_total_tokens=self.max_total_tokens, resume=resume, chunk_tokens=self.chunk_tokens,
                 )
             traj.info.pop("finish_reasons", None)
             completed = self.buffer.add(traj)
