@@ -30,10 +30,10 @@ The padding at a row's end is a sequence of its own (it attends to itself):
 a query with every key masked gives NaN in SDPA, and NaN times a zero attention
 weight is still NaN, so it would leak into real tokens of the next layer.
 
-- CPU / SDPA / eager: ``C`` is the longest trajectory (attention costs
-  ``R * C^2`` with a dense mask, so rows stay short) and the block-diagonal mask
-  is passed as a 4D ``[R, 1, C, C]`` tensor (bool for SDPA, additive for eager),
-  which transformers uses as given.
+- CPU / SDPA / eager: ``C`` is chosen per batch to minimise modelled compute,
+  padding against attention (``R * C^2`` with a dense mask; :func:`pack_rows`),
+  and the block-diagonal mask is passed as a 4D ``[R, 1, C, C]`` tensor (bool for
+  SDPA, additive for eager), which transformers uses as given.
 - flash attention (``config._attn_implementation`` names a flash kernel): one row
   per micro-batch, ``C`` = the budget, and no mask: transformers reads the
   sequence boundaries off ``position_ids`` (a position that does not continue the
@@ -86,13 +86,15 @@ def is_flash(attn_impl: str | None) -> bool:
 
 
 def micro_batches(records: list[Record], budget: int | None, *, packed: bool, one_row: bool = False,
-                  max_seqs: int | None = None) -> list[MicroBatch]:
+                  max_seqs: int | None = None, attn_cost: float | None = None) -> list[MicroBatch]:
     """Cut ``records`` into micro-batches of at most ``budget`` model-input tokens.
 
     ``budget=None``: one micro-batch (cut only by ``max_seqs`` trajectories when padded).
-    ``packed``: best-fit decreasing into rows; ``one_row``: each micro-batch is one
-    packed row of ``budget`` tokens (flash-attention varlen). Padded: records keep
-    their order and each micro-batch is padded to its longest trajectory.
+    ``packed``: rows of the cheapest length by :func:`plan_cost` (see :func:`pack_rows`);
+    ``one_row``: each micro-batch is one packed row of ``budget`` tokens (flash-attention
+    varlen). Padded: records keep their order and each micro-batch is padded to its
+    longest trajectory. ``attn_cost``: :func:`attn_pair_cost` of the model (default
+    ``ATTN_COST``, the bundled policy's).
     """
     if budget is not None and budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
@@ -103,18 +105,91 @@ def micro_batches(records: list[Record], budget: int | None, *, packed: bool, on
     lens = [used_len(r) for r in records]
     if one_row:  # flash varlen: cost is per sequence, so a row can be as long as the budget
         cap = sum(lens) if budget is None else budget
-    else:  # a dense mask costs C^2 per row: rows no longer than the longest trajectory
-        cap = max(lens) if budget is None else min(max(lens), budget)
-    # a trajectory longer than a row is a micro-batch alone (it is never split)
-    out = [MicroBatch([r], [1], n) for r, n in zip(records, lens, strict=True) if n > cap]
-    fit = [(r, n) for r, n in zip(records, lens, strict=True) if n <= cap]
-    rows = _best_fit([r for r, _ in fit], [n for _, n in fit], cap)
-    if one_row:
-        return out + [MicroBatch(row, [len(row)], sum(used_len(r) for r in row)) for row in rows]  # no padding
-    per = max(1, len(rows) if budget is None else budget // cap)
-    for i in range(0, len(rows), per):
-        group = rows[i:i + per]
-        out.append(MicroBatch([r for row in group for r in row], [len(row) for row in group], cap))
+        out = [MicroBatch([r], [1], n) for r, n in zip(records, lens, strict=True) if n > cap]
+        fit = [i for i, n in enumerate(lens) if n <= cap]
+        rows = [[fit[j] for j in row] for row in _best_fit([lens[i] for i in fit], cap)]
+        return out + [MicroBatch([records[i] for i in row], [len(row)], sum(lens[i] for i in row))
+                      for row in rows]  # no padding
+    cost = ATTN_COST if attn_cost is None else attn_cost
+    best, best_cost, worse = None, float("inf"), 0
+    for cap in row_caps(lens, budget):
+        plan = pack_rows(records, lens, cap, budget)
+        c = plan_cost(plan, cost)
+        if c < best_cost:  # ties: the shorter cap (tried first)
+            best, best_cost, worse = plan, c, 0
+        else:  # attention grows with the cap while padding only falls: stop once past the minimum
+            worse += 1
+            if worse == 4:
+                break
+    assert best is not None
+    return best
+
+
+# Relative cost of one (query, key) pair of a dense-mask attention against one token's
+# pass through the rest of a layer, on CPU. FLOPs alone give 4*H*hd per pair against
+# 2*(d*(2*H + 2*K)*hd + 3*d*ff) per token (1/768 for the bundled policy); measured with
+# SDPA and a bool mask (fwd+bwd of the bundled policy, 4,096 tokens in rows of 48..1,536,
+# one thread) the time per token grows as 1 + C/320: the mask and softmax are
+# memory-bound, about 2.4 times the FLOP ratio. CPU_MASK_FACTOR is that factor.
+CPU_MASK_FACTOR = 2.4
+ATTN_COST = 1 / 320
+
+
+def attn_pair_cost(config: Any) -> float:
+    """``attn_cost`` of a transformers config (falls back to ``ATTN_COST`` when a size is missing)."""
+    d = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not d or not heads:
+        return ATTN_COST
+    hd = getattr(config, "head_dim", None) or d // heads
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    ff = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", None) or 4 * d
+    ff *= getattr(config, "num_experts_per_tok", None) or 1  # MoE: the experts a token runs through
+    return CPU_MASK_FACTOR * 4 * heads * hd / (2 * (d * (2 * heads + 2 * kv) * hd + 3 * d * ff))
+
+
+def row_caps(lens: list[int], budget: int | None) -> list[int]:
+    """Row lengths worth trying: the longest trajectory, then up to the budget by ~1.25x steps."""
+    hi = sum(lens) if budget is None else min(budget, sum(lens))
+    cap = min(max(lens), hi)
+    caps = [cap]
+    while cap < hi:
+        cap = min(hi, max(cap + 1, int(cap * 1.25)))
+        caps.append(cap)
+    return caps
+
+
+def plan_cost(plan: list[MicroBatch], attn_cost: float) -> float:
+    """Modelled compute of a plan: ``R * C`` tokens, each ``1 + attn_cost * C`` (dense mask)."""
+    return sum(mb.tokens * (1 + attn_cost * mb.row_len) for mb in plan)
+
+
+def pack_rows(records: list[Record], lens: list[int], cap: int, budget: int | None) -> list[MicroBatch]:
+    """Rows of at most ``cap`` tokens by best-fit decreasing, grouped into micro-batches.
+
+    Why the row length is a choice: padding falls as rows get longer (more ways to fill
+    them; short alike episodes that do not pair at the longest length do at twice it), but
+    with a dense block-diagonal mask every row pays attention over all ``C^2`` pairs,
+    masked ones included, so a longer row costs more per token. ``micro_batches`` builds
+    one plan per cap of :func:`row_caps` and keeps the cheapest by :func:`plan_cost`.
+
+    Rows are sorted by how full they are and cut into micro-batches of ``budget // C``
+    rows, each micro-batch as long as its fullest row (``C``), so rows that best-fit left
+    short (the tail of the packing) share a short micro-batch instead of being padded to
+    the cap. The order of micro-batches does not matter: gradients add up.
+    """
+    out = [MicroBatch([r], [1], n) for r, n in zip(records, lens, strict=True) if n > cap]  # never split
+    fit = [i for i, n in enumerate(lens) if n <= cap]
+    rows = [[fit[j] for j in row] for row in _best_fit([lens[i] for i in fit], cap)]
+    fill = [sum(lens[i] for i in row) for row in rows]
+    order = sorted(range(len(rows)), key=lambda k: -fill[k])  # stable
+    i = 0
+    while i < len(order):
+        width = fill[order[i]]
+        per = len(order) if budget is None else max(1, budget // width)
+        group = [rows[k] for k in order[i:i + per]]
+        out.append(MicroBatch([records[j] for row in group for j in row], [len(row) for row in group], width))
+        i += per
     return out
 
 
@@ -134,19 +209,21 @@ def _padded(records: list[Record], budget: int | None, max_seqs: int | None) -> 
     return out
 
 
-def _best_fit(records: list[Record], lens: list[int], cap: int) -> list[list[Record]]:
-    """Best-fit decreasing bin packing: each record goes to the fullest row it fits in."""
-    order = sorted(range(len(records)), key=lambda i: -lens[i])  # stable: ties keep input order
-    rows: list[list[Record]] = []
+def _best_fit(lens: list[int], cap: int) -> list[list[int]]:
+    """Best-fit decreasing bin packing of ``lens`` (all <= cap): each goes to the fullest row it fits in.
+
+    Rows are lists of indices into ``lens``."""
+    order = sorted(range(len(lens)), key=lambda i: -lens[i])  # stable: ties keep input order
+    rows: list[list[int]] = []
     free: list[tuple[int, int]] = []  # (free tokens, row index), ascending
     for i in order:
         k = bisect.bisect_left(free, (lens[i], -1))
         if k == len(free):
-            rows.append([records[i]])
+            rows.append([i])
             bisect.insort(free, (cap - lens[i], len(rows) - 1))
             continue
         space, row = free.pop(k)
-        rows[row].append(records[i])
+        rows[row].append(i)
         bisect.insort(free, (space - lens[i], row))
     return rows
 
