@@ -51,7 +51,14 @@ from mixrl.models.chunked import TokenLogprobs, chunked_logprobs
 from mixrl.rollout.screen import sampling_error
 from mixrl.rollout.types import Trajectory
 from mixrl.train.batch import BatchStats, Record, TrainBatch, collate, prepare
-from mixrl.train.packing import MicroBatch, collate_micro, is_flash, micro_batches, model_inputs
+from mixrl.train.packing import (
+    MicroBatch,
+    attn_pair_cost,
+    collate_micro,
+    is_flash,
+    micro_batches,
+    model_inputs,
+)
 from mixrl.train.routing_replay import TrainerRouting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}  # fp64: references
@@ -116,6 +123,7 @@ class Trainer:
         self.grad_clip, self.precision = grad_clip, precision
         self.micro_batch_tokens, self.packing = micro_batch_tokens, packing
         self.forward_micro_batch_tokens = forward_micro_batch_tokens or micro_batch_tokens
+        self.attn_cost = attn_pair_cost(getattr(model, "config", None))  # packed row length: padding vs masked attention
         self.attn_impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         self.max_malformed_frac, self.gen_budget = max_malformed_frac, gen_budget
         self.lr_schedule, self.base_lr = lr_schedule, lr
@@ -178,7 +186,8 @@ class Trainer:
     def _micro(self, records: list[Record], budget: int | None = None) -> list[MicroBatch]:
         """Micro-batches of at most ``budget`` model-input tokens (default micro_batch_tokens)."""
         return micro_batches(records, budget or self.micro_batch_tokens, packed=self.packing,
-                             one_row=is_flash(self.attn_impl), max_seqs=self.micro_batch_size)
+                             one_row=is_flash(self.attn_impl), max_seqs=self.micro_batch_size,
+                             attn_cost=self.attn_cost)
 
     @staticmethod
     def _store(records: list[Record], out: TokenLogprobs, *fields: str) -> None:
