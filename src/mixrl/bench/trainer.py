@@ -21,11 +21,19 @@ repeat them. Measurements, each a named entry of ``MEASUREMENTS`` (a function
   ``--unbounded`` also measures 128 and 1,024 with no budget and no packing
   (one forward over the whole padded batch: the behaviour without a budget).
 - ``packing``: trainer tokens/s (real tokens of the trajectories per second of
-  ``Trainer.step``) on ``--batch`` trajectories of the calculator length mix,
-  packed vs padded at the same budget, two trainers from the same weights
-  measured alternately in one process (median of ``--repeats`` after one
-  warm-up each): ``packed_over_padded`` (goal >= 1.3), with the model-input
-  tokens each spends (padding included) and the fraction that is padding.
+  ``Trainer.step``) on ``--batch`` trajectories, packed vs padded at the same
+  budget, two trainers from the same weights measured alternately in one process
+  (median of ``--repeats`` after one warm-up each), on two calculator length
+  mixes: ``shipped_*`` (the episodes above, the demo's temperature: the shipped
+  policy answers in 16-46 tokens) and ``variable_*`` (the same policy at
+  ``--mix-temperature``, default 2.0: a spread of about 16-160 tokens). Padded is
+  what the trainer does with ``optim.packing=false``: micro-batches cut by the
+  same budget in arrival order, each padded to its longest trajectory
+  (``packing_baseline``). Each mix gives its length distribution, the model-input
+  tokens each variant spends (padding included), the padding fraction, packed
+  row lengths and ``<mix>_packed_over_padded``; ``packed_over_padded`` (goal
+  >= 1.3, stated for variable-length batches) is the variable mix's, and
+  ``packed_over_padded_shipped`` the shipped one's.
 - ``fsdp``, ``lora``: 2 FSDP2 ranks vs 1 trainer, LoRA vs full fine-tuning
   (``mixrl.bench.trainer_dist``).
 """
@@ -58,6 +66,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=256, help="trajectories per update for tokens/s")
     parser.add_argument("--repeats", type=int, default=3, help="timed updates per variant (median)")
     parser.add_argument("--episodes", type=int, default=128, help="distinct calculator episodes sampled")
+    # 2.0: the shipped policy's replies then run on to the demo's limits in part of the episodes,
+    # a spread of lengths (about 16-160 tokens) like a policy early in training or a harder task
+    parser.add_argument("--mix-temperature", type=float, default=2.0,
+                        help="sampling temperature of the variable-length mix for packing (default 2.0)")
     parser.add_argument("--only", default=None, help=f"comma-separated measurements ({', '.join(MEASUREMENTS)})")
     parser.add_argument("--unbounded", action="store_true", help="also measure memory without a budget")
     parser.add_argument("--model", default="bundled", help='policy: "bundled" or an HF directory')
@@ -84,8 +96,11 @@ def run_config(model_path: str, budget: int | None, packing: bool, seed: int, th
     return load_config(None, sets)
 
 
-def sample_episodes(model_path: str, n: int, seed: int, threads: int) -> list[dict[str, Any]]:
-    """``n`` calculator episodes (demo limits, the preset's top-p support recorded)."""
+def sample_episodes(model_path: str, n: int, seed: int, threads: int,
+                    temperature: float | None = None) -> list[dict[str, Any]]:
+    """``n`` calculator episodes (demo limits, the preset's top-p support recorded).
+
+    ``temperature``: sample at that temperature instead of the demo's (``rollout.temperature``)."""
     import asyncio
 
     from mixrl.envs.chat import ChatFormat
@@ -98,6 +113,8 @@ def sample_episodes(model_path: str, n: int, seed: int, threads: int) -> list[di
     from mixrl.sampling.factory import make_engine
 
     cfg = run_config(model_path, None, True, seed, threads)
+    if temperature is not None:
+        cfg.rollout.temperature = temperature
     _, derived = resolve_loss(cfg)
     _, tok = load_policy(model_path)
     chat = ChatFormat(tok)
@@ -203,13 +220,22 @@ def measure_memory(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, 
 # ------------------------------------------------------------------ packed vs padded
 
 
-def measure_packing(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
-    from mixrl.train.packing import micro_batches, used_len
+PADDED_BASELINE = ("optim.packing=false, the trainer without packing: micro-batches of at most budget_tokens "
+                   "model-input tokens cut in arrival order, each padded to its longest trajectory")
 
-    trajs, adv = batch_of(data["episodes"], args.batch, args.seed)
+
+def _lengths(trajs: list[Any]) -> dict[str, int]:
+    lens = sorted(len(t.tokens) for t in trajs)
+    return {"length_min": lens[0], "length_median": lens[len(lens) // 2], "length_max": lens[-1]}
+
+
+def _packing_mix(args: argparse.Namespace, variants: dict[str, Any], episodes: list[dict[str, Any]],
+                 prefix: str) -> dict[str, Any]:
+    """Packed vs padded tokens/s on ``--batch`` trajectories of one length mix (keys ``prefix_*``)."""
+    from mixrl.train.packing import used_len
+
+    trajs, adv = batch_of(episodes, args.batch, args.seed)
     real = sum(len(t.tokens) for t in trajs)
-    variants = {name: make_trainer(args.model, args.budget, packed, args.seed, args.threads)
-                for name, packed in (("padded", False), ("packed", True))}
     times: dict[str, list[float]] = {k: [] for k in variants}
     for rnd in range(args.repeats + 1):
         for name, tr in variants.items():  # alternated: load from other processes hits both alike
@@ -217,17 +243,37 @@ def measure_packing(args: argparse.Namespace, data: dict[str, Any]) -> dict[str,
             tr.step(trajs, adv)
             if rnd:  # round 0 is the warm-up
                 times[name].append(time.perf_counter() - t0)
-    res: dict[str, Any] = {"packing_batch": args.batch, "packing_real_tokens": real}
-    records = variants["packed"]._prepare(trajs, adv, False)[0]
+    res: dict[str, Any] = {f"{prefix}_{k}": v for k, v in _lengths(trajs).items()}
+    res[f"{prefix}_real_tokens"] = real
     for name, tr in variants.items():
-        s = statistics.median(times[name])
-        res[f"{name}_tokens_per_s"] = real / s
-        res[f"{name}_step_s"] = s
-        plan = micro_batches(records, args.budget, packed=tr.packing)
+        records = tr._prepare(trajs, adv, False)[0]
+        plan = tr._micro(records)  # the trainer's own plan, as its step cut it
         fed = sum(mb.tokens for mb in plan)
-        res[f"{name}_model_tokens"], res[f"{name}_micro_batches"] = fed, len(plan)
-        res[f"{name}_padding_frac"] = 1 - sum(used_len(r) for r in records) / fed if fed else 0.0
-    res["packed_over_padded"] = res["packed_tokens_per_s"] / res["padded_tokens_per_s"]
+        s = statistics.median(times[name])
+        res[f"{prefix}_{name}_tokens_per_s"] = real / s
+        res[f"{prefix}_{name}_step_s"] = s
+        res[f"{prefix}_{name}_model_tokens"], res[f"{prefix}_{name}_micro_batches"] = fed, len(plan)
+        res[f"{prefix}_{name}_padding_frac"] = 1 - sum(used_len(r) for r in records) / fed if fed else 0.0
+        if name == "packed":
+            res[f"{prefix}_packed_row_lens"] = " ".join(str(mb.row_len) for mb in plan)
+    res[f"{prefix}_packed_over_padded"] = res[f"{prefix}_packed_tokens_per_s"] / res[f"{prefix}_padded_tokens_per_s"]
+    return res
+
+
+def measure_packing(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
+    variants = {name: make_trainer(args.model, args.budget, packed, args.seed, args.threads)
+                for name, packed in (("padded", False), ("packed", True))}
+    res: dict[str, Any] = {"packing_batch": args.batch, "packing_baseline": PADDED_BASELINE,
+                           "shipped_mix": "the --model policy's calculator episodes at the demo's temperature "
+                                          "(the memory measurement's episodes)",
+                           "variable_mix": f"the same policy's calculator episodes sampled at temperature "
+                                           f"{args.mix_temperature:g} (replies run on to the demo's token limits)"}
+    res.update(_packing_mix(args, variants, data["episodes"], "shipped"))
+    res.update(_packing_mix(args, variants, data["variable"], "variable"))
+    res["packed_over_padded"] = res["variable_packed_over_padded"]
+    res["packed_over_padded_shipped"] = res["shipped_packed_over_padded"]
+    res["packed_over_padded_is"] = ("the variable mix: the goal (>= 1.3) is stated for variable-length batches; "
+                                    "packed_over_padded_shipped is the shipped policy's near-uniform episodes")
     return res
 
 
@@ -247,6 +293,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.budget < 16 or args.batch < 1 or args.repeats < 1 or args.episodes < 1:
         raise ValueError("--budget must be >= 16; --batch, --repeats and --episodes >= 1")
+    if not 0 < args.mix_temperature <= 10:
+        raise ValueError(f"--mix-temperature must be in (0, 10], got {args.mix_temperature}")
     names = list(MEASUREMENTS) if args.only is None else [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = [n for n in names if n not in MEASUREMENTS]
     if unknown:
@@ -263,6 +311,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         path = Path(tmp) / "episodes.json"
         path.write_text(json.dumps(episodes))
         data = {"episodes": episodes, "path": str(path)}
+        if "packing" in names:
+            data["variable"] = sample_episodes(args.model, args.episodes, args.seed, args.threads,
+                                               temperature=args.mix_temperature)
         for name in names:
             res.update(MEASUREMENTS[name](args, data))
     res["loadavg_1m"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
