@@ -32,7 +32,12 @@ SEED = {
 def test_catalogue_has_the_seed_fleet_and_references() -> None:
     profiles = load_profiles()
     builtin = {n for n, p in profiles.items() if p.engine == "builtin"}
-    assert builtin == set(SEED) | {"fp32", "bf16"}
+    stress = {"stress-b200-nvfp4", "stress-b300-mxfp4", "stress-h100-fp8"}
+    assert builtin == set(SEED) | {"fp32", "bf16", "fp16"} | stress
+    for name in stress:  # the study's stress fleet: same GPUs and prices, harsher numerics
+        p = profiles[name]
+        assert p.activation_format != "none" and p.quantize_lm_head and p.price_per_hour > 0
+        assert p.relative_throughput == pytest.approx(p.tokens_per_second / 2500)
     vllm = {n for n, p in profiles.items() if p.engine == "vllm"}
     assert {"cpu-vllm-fp32", "cpu-vllm-bf16"} <= vllm  # vllm/profiles.toml ships too
     for name, (weights, kv) in SEED.items():

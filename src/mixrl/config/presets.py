@@ -2,7 +2,10 @@
 
 The seed's six arms are ``grpo``, ``grpo+mis``, ``sc``, ``grpo+top-p``,
 ``sc+mis`` and ``sc+mis+top-p`` (MIS range [0.2, 5]); the others use the
-defaults of docs/corrections.md section 6. A ``+top-p`` arm samples inside the
+defaults of docs/corrections.md section 6. The study's two reference arms,
+``on-policy`` (FP32 sampler, sync: no mismatch) and ``fp16`` (sampler and trainer
+in FP16), are GRPO whose fleet, mode and trainer precision ``mixrl compare`` sets
+(``fleet_profile``, ``mode``, ``trainer_precision``). A ``+top-p`` arm samples inside the
 top-p set and replays that support in the trainer (exact SC); a full-vocabulary
 SC arm records the head of ``q`` and models the tail (section 7).
 
@@ -24,6 +27,7 @@ constructs every entry.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -59,6 +63,18 @@ class Preset(BaseModel):
     head_k: int = Field(
         default=64, ge=1, le=4096, description="head size of q recorded for full-vocabulary SC"
     )
+    # Reference arms of the study fix the numerics, not only the loss: ``mixrl compare``
+    # replaces the fleet by one group of this profile (same replicas), the scheduling
+    # mode and the trainer precision. None: the study's fleet / the base config's value.
+    fleet_profile: str | None = Field(
+        default=None, description="study arms: every sampler group uses this profile"
+    )
+    mode: Literal["async", "sync"] | None = Field(
+        default=None, description="study arms: runtime.mode the arm needs"
+    )
+    trainer_precision: Literal["fp32", "bf16", "fp16"] | None = Field(
+        default=None, description="study arms: optim.precision the arm needs"
+    )
 
     @model_validator(mode="after")
     def _sampling(self) -> Preset:
@@ -79,8 +95,10 @@ class Preset(BaseModel):
         return "head" if self.loss.score_centering else "none"
 
 
-def _p(name: str, description: str, top_p: float = 1.0, **loss: object) -> Preset:
-    return Preset(name=name, description=description, loss=LossConfig(**loss), sampler_top_p=top_p)  # type: ignore[arg-type]
+def _p(name: str, description: str, top_p: float = 1.0, run: dict[str, str] | None = None,
+       **loss: object) -> Preset:
+    return Preset(name=name, description=description, loss=LossConfig(**loss), sampler_top_p=top_p,  # type: ignore[arg-type]
+                  **(run or {}))
 
 
 _ALL = [
@@ -97,6 +115,11 @@ _ALL = [
         score_centering=True,
         support_replay=True,
     ),
+    # The study's references: no mismatch at all, and 16-bit floats on both sides.
+    _p("on-policy", "GRPO, FP32 sampler with the trainer's numerics, sync: zero mismatch",
+       run={"fleet_profile": "fp32", "mode": "sync", "trainer_precision": "fp32"}),
+    _p("fp16", "GRPO with sampler and trainer in FP16 (weights, activations, KV)",
+       run={"fleet_profile": "fp16", "trainer_precision": "fp16"}),
     _p("tis", "token truncated IS, C = 2", corrections=[TIS(cap=2.0)]),
     _p("icepop", "IcePop: token masked IS in [0.5, 5]", corrections=[MIS(lo=0.5, hi=5.0)]),
     _p("seq-mis", "sequence masked IS in [0.5, 2]", corrections=[SeqMIS(lo=0.5, hi=2.0)]),
@@ -113,6 +136,7 @@ _ALL = [
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
 SEED_ARMS: tuple[str, ...] = ("grpo", "grpo+mis", "sc", "grpo+top-p", "sc+mis", "sc+mis+top-p")
+REFERENCE_ARMS: tuple[str, ...] = ("on-policy", "fp16")  # fixed numerics: one run per seed, not per fleet
 assert all(isinstance(p.loss.objective, PGObjective) for n, p in PRESETS.items() if n in SEED_ARMS)
 
 

@@ -83,13 +83,14 @@ def summarize(by_task: dict[str, list[Any]], k: int) -> dict[str, Any]:
     from mixrl.rollout.passk import mean_pass_at_k
     from mixrl.rollout.types import UNREWARDED
 
-    counts, incomplete = [], 0
-    for trs in by_task.values():
+    counts, incomplete, per_task = [], 0, {}
+    for task_id, trs in by_task.items():
         valid = [tr for tr in trs if tr.status not in UNREWARDED]  # no reward is not a failure
         if len(valid) < k:
             incomplete += 1
             continue
         counts.append((len(valid), sum(1 for tr in valid if (tr.reward or 0.0) >= 1.0)))
+        per_task[str(task_id)] = list(counts[-1])  # [n, c]: bootstrap over tasks, hard subsets
     rows = [tr for trs in by_task.values() for tr in trs]
     rewards = [tr.reward for tr in rows if tr.reward is not None]
     return {
@@ -102,6 +103,7 @@ def summarize(by_task: dict[str, list[Any]], k: int) -> dict[str, Any]:
         "tasks_incomplete": incomplete,
         "mean_turns": sum(tr.turns for tr in rows) / max(1, len(rows)),
         "mean_generated": sum(tr.num_generated for tr in rows) / max(1, len(rows)),
+        "per_task": per_task,
     }
 
 

@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mixrl.numerics.formats import ROW_FORMATS, get_format
 
@@ -60,6 +60,12 @@ class Profile(BaseModel):
     )
     activation_format: str = Field(
         "none", description="dynamic per-token format of Linear inputs; 'none' keeps them"
+    )
+    kv_static_scale: float | None = Field(
+        None, gt=0, le=1e6,
+        description="one static FP32 scale for every KV-cache entry (FP8 kv_format, built-in "
+        "engine), calibrated once as serving stacks do (numerics.kv_static); None = dynamic "
+        "per-token scales",
     )
     compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
         "bfloat16", description="dtype the matmuls and attention run in"
@@ -98,6 +104,19 @@ class Profile(BaseModel):
     def _row_format(cls, v: str, info: Any) -> str:
         get_format(v, what=f"Profile.{info.field_name}", allowed=ROW_FORMATS)
         return v
+
+    @model_validator(mode="after")
+    def _static_kv(self) -> Profile:
+        if self.kv_static_scale is not None:
+            from mixrl.numerics.kv_static import STATIC_KV_FORMATS
+
+            if self.kv_format not in STATIC_KV_FORMATS:
+                raise ValueError(f"kv_static_scale needs kv_format in {sorted(STATIC_KV_FORMATS)}, "
+                                 f"got kv_format={self.kv_format!r}")
+            if self.engine != "builtin":
+                raise ValueError("kv_static_scale is emulated by the built-in engine only "
+                                 f"(engine={self.engine!r})")
+        return self
 
     @property
     def quantizes(self) -> bool:

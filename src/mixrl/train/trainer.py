@@ -61,7 +61,7 @@ from mixrl.train.packing import (
 )
 from mixrl.train.routing_replay import TrainerRouting
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}  # fp64: references
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}  # fp64: references
 
 
 def needed_cand_kind(cfg: LossConfig) -> str:
@@ -133,8 +133,9 @@ class Trainer:
         model.to(PRECISIONS[precision])
         model.train()
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied weights once
-        # bf16: AdamW updates float32 master copies (a bf16 weight cannot absorb lr * 1e-3 steps)
-        self.master = [p.detach().float().clone() for p in self.params] if precision == "bf16" else None
+        # bf16/fp16: AdamW updates float32 master copies (a 16-bit weight cannot absorb lr * 1e-3
+        # steps). fp16 has no loss scaling: an overflowing step is skipped (optim/skipped_steps).
+        self.master = [p.detach().float().clone() for p in self.params] if precision in ("bf16", "fp16") else None
         opt_params = self.master if self.master is not None else self.params
         self.optimizer = torch.optim.AdamW(opt_params, lr=lr, weight_decay=weight_decay)
         self.device = self.params[0].device if self.params else torch.device("cpu")
@@ -394,7 +395,7 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.master is not None:
             if state.get("master") is None:
-                raise ValueError("checkpoint has no float32 master weights but precision is bf16")
+                raise ValueError(f"checkpoint has no float32 master weights but precision is {self.precision}")
             with torch.no_grad():
                 for m, saved in zip(self.master, state["master"], strict=True):
                     m.copy_(saved)

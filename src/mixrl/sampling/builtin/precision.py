@@ -80,7 +80,9 @@ def from_profile(profile: Any) -> Precision:
         if not _is_identity(wf):
             weight = lambda w: numerics.quantize_weight(w, str(wf))  # noqa: E731
         if not _is_identity(kf):
-            kv = lambda x: numerics.quantize_kv(x, str(kf))  # noqa: E731
+            from mixrl.numerics.kv_static import kv_hook  # static scale: one per cache
+
+            kv = kv_hook(str(kf), getattr(profile, "kv_static_scale", None))
         if not _is_identity(af):
             act = lambda x: numerics.quantize_activation(x, str(af))  # noqa: E731
     return Precision(
@@ -89,5 +91,5 @@ def from_profile(profile: Any) -> Precision:
         kv=kv,
         act=act,
         quantize_lm_head=bool(getattr(profile, "quantize_lm_head", False)),
-        describe=f"weights={wf} kv={kf} act={af} compute={dtype} lm_head_q={getattr(profile, 'quantize_lm_head', False)}",
+        describe=f"weights={wf} kv={kf}{'' if getattr(profile, 'kv_static_scale', None) is None else '@static'} act={af} compute={dtype} lm_head_q={getattr(profile, 'quantize_lm_head', False)}",
     )
