@@ -4,7 +4,8 @@ A run directory (written by ``mixrl train``) holds ``metrics.jsonl`` (one JSON
 object per trainer step: ``step``, ``time`` and namespaced metrics, per sampler
 group as ``<metric>/<group>``), ``eval.json`` (final held-out evaluation),
 ``collapse.jsonl`` (monitor events) and ``config.json`` (the resolved config).
-A compare directory holds one run directory per ``<fleet>/<arm>``.
+A compare directory holds one run directory per ``<fleet>/<arm>`` or, with several
+seeds, per ``<fleet>/<arm>/seed<s>``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,19 @@ class Run:
 
     @property
     def arm(self) -> str:
-        return self.name.split("/")[-1]
+        parts = self.name.split("/")
+        return parts[1] if len(parts) == 3 else parts[-1]
+
+    @property
+    def seed(self) -> str:
+        """``seed<s>`` of a ``<fleet>/<arm>/seed<s>`` run; "" for a single-seed layout."""
+        parts = self.name.split("/")
+        return parts[2] if len(parts) == 3 else ""
+
+    @property
+    def cell(self) -> str:
+        """``<fleet>/<arm>``: the runs of one cell differ only by seed."""
+        return "/".join(self.name.split("/")[:2])
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         xs, ys = [], []
@@ -126,7 +139,8 @@ def load_runs(path: Path) -> list[Run]:
         return [load_run(path)]
     runs = [
         load_run(m.parent, str(m.parent.relative_to(path)))
-        for m in sorted(path.glob("*/*/metrics.jsonl"))
+        for pattern in ("*/*/metrics.jsonl", "*/*/seed*/metrics.jsonl")  # one seed / several
+        for m in sorted(path.glob(pattern))
     ]
     if not runs:
         raise FileNotFoundError(f"no metrics.jsonl under {path} (expected a run or compare directory)")

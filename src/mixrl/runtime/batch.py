@@ -11,6 +11,7 @@ failure may span groups):
 
     rollout/reward, rollout/length (generated tokens), rollout/turns   (and /<g>)
     rollout/format_error_end   share of episodes ended by repeated format errors
+    rollout/empty_last_reply   share of episodes whose last reply is empty (<= 1 token: end of turn)
     rollout/infra_failed       episodes lost to infrastructure (never reward 0)
     rollout/status/<status>    share of each status
     rollout/mixed_version_turns  turns continued under newer weights (interruptible turns)
@@ -74,12 +75,31 @@ def rollout_metrics(trajs: list[Trajectory], group_names: list[str]) -> dict[str
     for s in STATUSES:
         m[f"rollout/status/{s}"] = sum(t.status == s for t in trajs) / n
     m["rollout/format_error_end"] = sum(t.status == "format_error" for t in trajs) / n
+    # the seed's collapsed episodes end on an empty reply: at most the end-of-turn token
+    m["rollout/empty_last_reply"] = sum(_last_reply_len(t) <= 1 for t in trajs) / n
     m["rollout/malformed_calls"] = float(sum(t.num_malformed for t in trajs))
     # agent episodes whose history was edited by the agent: segments left out of training
     # turns continued under newer weights (rollout.interrupt_tokens): generated runs with > 1 version
     m["rollout/mixed_version_turns"] = float(sum(mixed_version_turns(t) for t in trajs))
     m["rollout/history_rewrites"] = float(sum(int(t.info.get("history_rewrites", 0)) for t in trajs))
     return m
+
+
+def reply_spans(t: Trajectory) -> list[tuple[int, int]]:
+    """[start, end) of each maximal run of generated tokens: one per assistant reply."""
+    spans, start = [], None
+    for i, m in enumerate(t.loss_mask):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            spans.append((start, i))
+            start = None
+    return spans + ([(start, len(t.loss_mask))] if start is not None else [])
+
+
+def _last_reply_len(t: Trajectory) -> int:
+    spans = reply_spans(t)
+    return spans[-1][1] - spans[-1][0] if spans else 0
 
 
 def mixed_version_turns(t: Trajectory) -> int:

@@ -129,7 +129,16 @@ def episode_record(step: int, t: Any, tokenizer: Any) -> dict[str, Any]:
     dec = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     return {"step": step, "prompt_id": t.prompt_id, "prompt": dec(t.tokens[:first]),
             "completion": dec(t.tokens[first:]), "reward": t.reward, "status": t.status,
-            "turns": t.turns, "group": (t.groups[first] if first < len(t.groups) else "")}
+            "turns": t.turns, "group": (t.groups[first] if first < len(t.groups) else ""),
+            "replies": _replies(t, dec)}
+
+
+def _replies(t: Any, dec: Any) -> list[dict[str, Any]]:
+    """Per assistant reply (one cell per turn in the report's timeline): length, text, group."""
+    from mixrl.runtime.batch import reply_spans
+
+    return [{"tokens": b - a, "text": dec(t.tokens[a:b])[:120], "group": t.groups[a],
+             "version": t.versions[a]} for a, b in reply_spans(t)]
 
 
 def start_log(run_dir: Path) -> Path:
