@@ -111,3 +111,61 @@ def test_autoscaler_scales_a_group_up_and_down(tiny_policy: Path) -> None:
         await fleet.close()
 
     asyncio.run(main())
+
+
+def test_process_replicas_quantize_once_per_version_and_format(tiny_policy: Path) -> None:
+    """Two worker processes of one NVFP4 group: the version is quantized once (by whichever
+    worker asks first), both serve exactly what an engine quantizing on load serves, and a
+    BF16 group's worker builds its own format of the same version."""
+    from mixrl.fleet.shared_weights import SharedVersion
+    from mixrl.runtime.backends.embedded import EmbeddedBackend
+    from mixrl.runtime.backends.embedded.threads import group_profile, replica_seed
+    from mixrl.sampling.factory import make_engine
+
+    fp32 = {"compute_dtype": "float32"}
+    groups = [{"name": "q", "profile": "b200-nvfp4", "replicas": 2, "overrides": fp32},
+              {"name": "h", "profile": "b200-bf16", "replicas": 1, "overrides": fp32}]
+    cfg = build_config({"fleet": {"groups": groups}, "runtime": {"torch_threads": 1}})
+    from transformers import AutoModelForCausalLM
+
+    sd = AutoModelForCausalLM.from_pretrained(str(tiny_policy)).state_dict()
+    sd = {k: v + 0.003 * torch.randn_like(v) for k, v in sd.items()}  # a version the checkpoint is not
+    reqs = [req(i) for i in range(3)]
+
+    quant_calls: list[str] = []
+
+    async def main() -> tuple[SharedVersion, dict]:
+        backend = EmbeddedBackend(cfg, str(tiny_policy), None, workers="process")
+        try:
+            hs = [await backend.make_sampler("q", f"q/{i}") for i in range(2)] + [await backend.make_sampler("h", "h/0")]
+            for h in hs:  # count the quantizations the workers are asked for
+                def counted(kind: str, payload: object, h=h, call=h._call) -> object:  # type: ignore[no-untyped-def]
+                    if kind == "quant":
+                        quant_calls.append(h.group)
+                    return call(kind, payload)
+
+                h._call = counted  # type: ignore[method-assign]
+            sv = SharedVersion.from_state_dict(sd)
+            await asyncio.gather(*(h.load_weights(sv, 1) for h in hs))
+            out = {h.name: [await h.generate(r) for r in reqs] for h in hs}
+            return sv, out
+        finally:
+            await backend.shutdown()
+
+    sv, out = asyncio.run(main())
+    assert sorted(quant_calls) == ["h", "q"]  # one quantization per format, not per replica
+    assert sorted(sv.quantize_s) == ["bf16", "nvfp4"]
+    # the format's manifest: the changed weights in its own file, the rest mapping the base file
+    base, q = sv.manifest(), sv.manifest("nvfp4")
+    assert q["model.embed_tokens.weight"] == base["model.embed_tokens.weight"]
+    assert q["model.layers.0.mlp.down_proj.weight"][0] != base["model.layers.0.mlp.down_proj.weight"][0]
+    for group, names in (("q", ["q/0", "q/1"]), ("h", ["h/0"])):
+        own = make_engine(str(tiny_policy), group_profile(cfg, group), group, seed=replica_seed(cfg.runtime.seed, names[0]))
+        own.load_weights(sd, 1)
+        want = [own.generate_batch([r])[0] for r in reqs]
+        for n in names:
+            assert [r.token_ids for r in out[n]] == [r.token_ids for r in want], n
+            for a, b in zip(out[n], want, strict=True):
+                torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=0)
+    sv.retire()
+    assert not any(p.exists() for p in sv._files)

@@ -16,7 +16,10 @@ Quantization into a sampler format happens once per (version, format):
 quantizable weights the first time a replica of that format asks (under a lock,
 so concurrent replicas of one format wait for the same result) and writes only
 the tensors it changed into a second file; the format's manifest points at that
-file for those names and at the base file for the rest.
+file for those names and at the base file for the rest. ``build_format`` is
+the same with the quantization done elsewhere: the embedded backend lets the
+first sampler worker of a format quantize in its own process, so the formats
+of one version are built in parallel and off the trainer's interpreter.
 
 Lifetime: the weight store calls ``retire()`` when it evicts a version; the
 files are deleted once retired and no load holds them (``acquire``/``release``
@@ -26,12 +29,14 @@ so a replica that already mapped a version keeps reading it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -104,6 +109,8 @@ def map_manifest(manifest: Manifest) -> dict[str, torch.Tensor]:
 
 
 Quantize = Callable[[str, torch.Tensor], torch.Tensor | None]  # (name, fp32 tensor) -> quantized, or None = keep
+Produce = Callable[[Manifest, Path], tuple[Manifest, float | None]]  # see SharedVersion.build_format
+AsyncProduce = Callable[[Manifest, Path], Awaitable[tuple[Manifest, float | None]]]
 
 
 class SharedVersion:
@@ -115,6 +122,7 @@ class SharedVersion:
         self._stem = stem
         self._formats: dict[str, Manifest] = {}
         self._locks: dict[str, threading.Lock] = {}
+        self._building: dict[str, Any] = {}  # format -> future its async producer resolves
         self._lock = threading.Lock()
         self._holds = 0
         self._retired = False
@@ -140,29 +148,78 @@ class SharedVersion:
         return map_manifest(self._base)
 
     def for_format(self, fmt: str, quantize: Quantize) -> Manifest:
-        """The manifest of this version in ``fmt``, quantizing once (thread-safe)."""
+        """The manifest of this version in ``fmt``, quantizing once here (thread-safe)."""
+
+        def produce(base: Manifest, path: Path) -> tuple[Manifest, float | None]:
+            changed = {}
+            for k, t in map_manifest(base).items():
+                q = quantize(k, t)
+                if q is not None:
+                    changed[k] = q
+            return (write_tensors(changed, path) if changed else {}), None
+
+        return self.build_format(fmt, produce)[0]
+
+    def build_format(self, fmt: str, produce: Produce) -> tuple[Manifest, bool]:
+        """(manifest of ``fmt``, whether this call built it), building it once (thread-safe).
+
+        ``produce(base_manifest, path)`` quantizes the base version, writes the tensors it
+        changed into ``path`` and returns (their manifest, seconds the quantization took or
+        None = the whole call). It runs under the format's lock: concurrent callers of one
+        format wait for it; if it raises, nothing is recorded and the next caller builds.
+        A sampler worker process can be the producer (it quantizes in its own interpreter,
+        so formats are built in parallel, and loads what it built without mapping it again).
+        """
         import time
 
         with self._lock:
             lock = self._locks.setdefault(fmt, threading.Lock())
         with lock:
             if fmt in self._formats:
-                return self._formats[fmt]
+                return self._formats[fmt], False
             t0 = time.perf_counter()
-            base = map_manifest(self._base)
-            changed = {}
-            for k, t in base.items():
-                q = quantize(k, t)
-                if q is not None:
-                    changed[k] = q
             path = self._stem.with_suffix(f".{_safe(fmt)}.bin")
+            with self._lock:
+                self._files.append(path)  # deleted with the version even if produce fails midway
+            changed, secs = produce(self._base, path)
             man = dict(self._base)
-            man.update(write_tensors(changed, path) if changed else {})
+            man.update(changed)
+            with self._lock:
+                self._formats[fmt] = man
+            self.quantize_s[fmt] = time.perf_counter() - t0 if secs is None else secs
+            return man, True
+
+    async def build_format_async(self, fmt: str, produce: AsyncProduce) -> tuple[Manifest, bool]:
+        """``build_format`` for callers on one event loop (the embedded backend's worker
+        handles): the same once-per-format rule without a thread per waiting replica."""
+        import asyncio
+        import time
+
+        while fmt not in self._formats:
+            fut = self._building.get(fmt)
+            if fut is None:
+                break
+            with contextlib.suppress(Exception):  # its producer failed: try to build it here
+                await asyncio.shield(fut)
+        if fmt in self._formats:
+            return self._formats[fmt], False
+        fut = asyncio.get_running_loop().create_future()
+        self._building[fmt] = fut
+        try:
+            t0 = time.perf_counter()
+            path = self._stem.with_suffix(f".{_safe(fmt)}.bin")
             with self._lock:
                 self._files.append(path)
+            changed, secs = await produce(self._base, path)
+            man = dict(self._base)
+            man.update(changed)
+            with self._lock:
                 self._formats[fmt] = man
-            self.quantize_s[fmt] = time.perf_counter() - t0
-            return man
+            self.quantize_s[fmt] = time.perf_counter() - t0 if secs is None else secs
+            return man, True
+        finally:
+            del self._building[fmt]
+            fut.set_result(None)
 
     # -- lifetime ------------------------------------------------------------------
     def acquire(self) -> None:
@@ -183,7 +240,7 @@ class SharedVersion:
             self._maybe_delete()
 
     def _files_exist(self) -> bool:
-        return all(p.exists() for p in self._files)
+        return self._files[0].exists()  # the base file: a format file may not exist (nothing changed)
 
     def _maybe_delete(self) -> None:
         if self._retired and self._holds <= 0:

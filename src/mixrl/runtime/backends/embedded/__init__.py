@@ -17,7 +17,8 @@ backend and selects it too.
 
 Each worker sets ``runtime.torch_threads`` torch threads. Replicas whose
 format can be pre-quantized (``formats.format_key``) run their engine with the
-weight format switched off and receive weights the publisher quantized once.
+weight format switched off and receive weights quantized once per version and
+format (by the first worker of that format; thread replicas quantize here).
 
 Fault injection: ``kill(name)`` (a real SIGKILL of a worker process, or a
 thread replica marked dead) and ``corrupt(name, n)``.
@@ -78,19 +79,18 @@ class EmbeddedBackend(Backend):
     async def make_sampler(self, group: str, name: str) -> SamplerHandle:
         prof = group_profile(self.cfg, group)
         fmt = format_key(prof, self._is_tied())
-        quantize = quantizer(prof) if fmt is not None else None
         serve = serving_profile(prof, fmt)
         seed = replica_seed(self.cfg.runtime.seed, name)
         h: ProcessSampler | ThreadSampler
         if self.workers == "process":
-            h = ProcessSampler(name, group, fmt, quantize)
+            h = ProcessSampler(name, group, fmt, prof if fmt is not None else None)
             await h.start(self.model_path, serve, seed, self.cfg.runtime.torch_threads)
         else:
             from mixrl.sampling.batching import BatchingSampler
             from mixrl.sampling.factory import make_engine
 
             engine = await asyncio.to_thread(locked, make_engine, self.model_path, serve, group, seed=seed)
-            h = ThreadSampler(name, group, BatchingSampler(engine), fmt, quantize)
+            h = ThreadSampler(name, group, BatchingSampler(engine), fmt, quantizer(prof) if fmt is not None else None)
         self.samplers[name] = h
         return h
 

@@ -11,9 +11,14 @@ continues the sessions elsewhere. ``kill()`` sends SIGKILL (fault injection);
 ``corrupt(n)`` makes the next ``n`` results malformed, as a faulty engine would.
 
 Weights: ``load_weights`` takes a ``SharedVersion`` (or a plain state dict,
-which it first writes to shared memory), asks it for this replica's format
-(quantized once per version and format, whoever asks first) and sends the
-worker only the manifest; the worker maps the files.
+which it first writes to shared memory) and sends the worker only manifests;
+the worker maps the files. For a pre-quantized format, the first replica of
+that format to ask builds it (``SharedVersion.build_format_async``): its worker
+quantizes the mapped base version with the group's profile and writes the
+changed tensors into the format's file; every replica of the format waits for
+that, then maps the file. One quantization per (version, format), each in
+a worker process, so the formats of one version are built in parallel and never
+hold the trainer's interpreter.
 """
 
 from __future__ import annotations
@@ -49,9 +54,10 @@ def mp_context() -> Any:
 
 
 class ProcessSampler(SamplerHandle):
-    def __init__(self, name: str, group: str, fmt: str | None = None, quantize: Any = None):
+    def __init__(self, name: str, group: str, fmt: str | None = None, quant_profile: Any = None):
         self.name, self.group = name, group
-        self.fmt, self.quantize = fmt, quantize  # this replica's weight format (None: base weights)
+        # this replica's weight format (None: base weights) and the profile that quantizes into it
+        self.fmt, self.quant_profile = fmt, quant_profile
         self.dead = False
         self.load_s: list[float] = []  # the worker's own load time per version
         self._corrupt = 0
@@ -72,7 +78,7 @@ class ProcessSampler(SamplerHandle):
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=worker.main, args=(child, model_path, profile, self.group, seed, threads),
+        self.proc = ctx.Process(target=worker.main, args=(child, model_path, profile, self.group, seed, threads, self.quant_profile),
                                 name=f"mixrl-sampler-{self.name}", daemon=True)
         await asyncio.to_thread(self.proc.start)
         child.close()
@@ -163,7 +169,14 @@ class ProcessSampler(SamplerHandle):
         sv = SharedVersion.from_state_dict(ref) if own else ref
         sv.acquire()  # before any await: the store may evict (retire) this version meanwhile
         try:
-            man = sv.manifest() if self.fmt is None else await asyncio.to_thread(sv.for_format, self.fmt, self.quantize)
+            man = sv.manifest()
+            if self.fmt is not None:
+
+                async def produce(base: Any, path: Any) -> tuple[Any, float]:
+                    man, secs = await self._call("quant", (base, str(path)))
+                    return man, secs
+
+                man = (await sv.build_format_async(self.fmt, produce))[0]
             self.load_s.append(float(await self._call("load", (man, version))))
         finally:
             sv.release()

@@ -10,13 +10,16 @@ messages from one duplex pipe:
     parent -> worker                          worker -> parent
     ("gen",  id, GenerationRequest)           ("ok",  id, GenerationResult)
     ("load", id, (manifest, version))         ("ok",  id, seconds the load took)
+    ("quant", id, (base manifest, path))      ("ok",  id, (manifest of path, seconds))
     ("stop", 0, None)                         ("err", id, "ExcType: message")
                                               ("ready", 0, pid) / ("fatal", 0, traceback)
 
 A reader thread receives (it blocks in the pipe without the GIL) and hands each
 message to the worker's asyncio loop; results go back from the loop. Weights
 arrive as a shared-memory manifest (``fleet.shared_weights``): mapped, not
-copied. The worker exits when told to stop or when the pipe closes (the parent
+copied. ``quant`` makes this worker the one that quantizes a version into its
+group's format (``quant_profile``): it writes the changed tensors into ``path``,
+which every replica of the format (this one too) then maps. The worker exits when told to stop or when the pipe closes (the parent
 died); an engine failure is reported per call as ``err`` and the parent turns
 it into ``ReplicaFailure``.
 """
@@ -28,11 +31,13 @@ import contextlib
 import os
 import signal
 import threading
+import time
 import traceback
+from pathlib import Path
 from typing import Any
 
 
-def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, threads: int) -> None:
+def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, threads: int, quant_profile: Any = None) -> None:
     # Ctrl-C reaches the whole process group: the orchestrator handles it (checkpoint, then
     # it stops its workers); a worker dying first would turn the stop into replica failures.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -50,10 +55,12 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
         conn.close()
         return
     conn.send(("ready", 0, os.getpid()))
-    asyncio.run(_serve(conn, sampler))
+    asyncio.run(_serve(conn, sampler, quant_profile))
 
 
-async def _serve(conn: Any, sampler: Any) -> None:
+async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
+    from mixrl.fleet.shared_weights import map_manifest, write_tensors
+
     loop = asyncio.get_running_loop()
     inbox: asyncio.Queue[Any] = asyncio.Queue()
     send_lock = threading.Lock()
@@ -77,16 +84,35 @@ async def _serve(conn: Any, sampler: Any) -> None:
             if kind == "gen":
                 send(("ok", rid, await sampler.generate(payload)))
             elif kind == "load":
-                import time
-
-                from mixrl.fleet.shared_weights import map_manifest
-
                 manifest, version = payload
                 t0 = time.perf_counter()
                 await sampler.load_weights(map_manifest(manifest), version)
                 send(("ok", rid, time.perf_counter() - t0))
+            elif kind == "quant":
+                base, path = payload
+                t0 = time.perf_counter()
+                man = await asyncio.to_thread(_quantize, map_manifest(base), path)  # generation goes on meanwhile
+                send(("ok", rid, (man, time.perf_counter() - t0)))
         except BaseException as e:  # noqa: BLE001 - every failure goes back to its caller
             send(("err", rid, f"{type(e).__name__}: {e}"))
+
+    quantize = None
+
+    def _quantize(tensors: dict[str, Any], path: str) -> Any:
+        """This format's quantization of one version; the manifest of the file it wrote."""
+        nonlocal quantize
+        if quantize is None:
+            if quant_profile is None:
+                raise RuntimeError("this worker was started without a weight format to quantize into")
+            from mixrl.runtime.backends.embedded.formats import quantizer
+
+            quantize = quantizer(quant_profile)
+        changed = {}
+        for k, t in tensors.items():
+            q = quantize(k, t)
+            if q is not None:
+                changed[k] = q
+        return write_tensors(changed, Path(path)) if changed else {}
 
     threading.Thread(target=reader, name="mixrl-worker-reader", daemon=True).start()
     tasks: set[asyncio.Task[None]] = set()
