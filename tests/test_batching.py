@@ -142,3 +142,28 @@ def test_invalid_arguments(engine):
         BatchingSampler(engine, max_batch=0)
     with pytest.raises(ValueError, match="max_wait_ms"):
         BatchingSampler(engine, max_wait_ms=-1)
+
+
+def test_idle_window_gathers_a_trickle_and_closes_after_a_quiet_gap(engine):
+    async def go():
+        s = BatchingSampler(engine, max_batch=16, max_wait_ms=5000, idle_ms=150)
+        trickle = []
+        for i in range(5):  # 20 ms apart: each within idle_ms of the last, all past a 5 ms window
+            trickle.append(asyncio.create_task(s.generate(_req(i))))
+            await asyncio.sleep(0.02)
+        t0 = asyncio.get_running_loop().time()
+        first = await asyncio.gather(*trickle)
+        waited = asyncio.get_running_loop().time() - t0
+        lone = await s.generate(_req(9))
+        await s.close()
+        return s, first, lone, waited
+
+    s, first, lone, waited = asyncio.run(go())
+    assert [r.timings["sampler_batch"] for r in first] == [5.0] * 5
+    assert lone.timings["sampler_batch"] == 1.0 and s.batches == 2
+    assert waited < 4.0  # closed by the quiet gap, not by max_wait_ms
+
+
+def test_invalid_idle_window(engine):
+    with pytest.raises(ValueError, match="idle_ms"):
+        BatchingSampler(engine, idle_ms=-1)

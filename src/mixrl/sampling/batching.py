@@ -8,9 +8,9 @@ version, and a request sent after ``load_weights`` was called sees the new one.
 
 State machine of the background task (one per sampler)::
 
-    IDLE ──item──► COLLECTING ──max_batch, max_wait_ms or a weights item──► RUNNING
-      ▲                                                                        │
-      └────────────── futures resolved; queued weights item applied ◄─────────┘
+    IDLE ──item──► COLLECTING ──max_batch, max_wait_ms, idle_ms or a weights item──► RUNNING
+      ▲                                                                              │
+      └────────────── futures resolved; queued weights item applied ◄────────────────┘
     any state ──engine exception──► FAILED (every pending and later call: ReplicaFailure)
 
 Example (``max_batch=2``, ``max_wait_ms=5``)::
@@ -22,6 +22,9 @@ Example (``max_batch=2``, ``max_wait_ms=5``)::
                                        COLLECTING [c] meets the weights item -> RUNNING [c] (v3)
     t=12ms  batch [c] done             c resolved (v3); weights applied; load_weights returns (v4)
     t=13ms  generate(d)                ... d is generated with version 4
+
+With ``idle_ms=3`` and ``max_wait_ms=100``, requests arriving at t=0, 2, 4 ... 40ms run
+as one batch at about t=43ms (3ms after the last), not as [t=0..5] [t=6..] ... batches.
 
 A failing ``generate_batch`` or ``load_weights`` is a replica failure: the
 futures of that batch, everything queued and every later call raise
@@ -50,15 +53,22 @@ class _Item:
 
 
 class BatchingSampler(Sampler):
-    def __init__(self, engine: Engine, *, max_batch: int = 64, max_wait_ms: float = 5) -> None:
+    def __init__(self, engine: Engine, *, max_batch: int = 64, max_wait_ms: float = 5,
+                 idle_ms: float | None = None) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if max_wait_ms < 0:
             raise ValueError(f"max_wait_ms must be >= 0, got {max_wait_ms}")
+        if idle_ms is not None and idle_ms < 0:
+            raise ValueError(f"idle_ms must be >= 0, got {idle_ms}")
         self.engine = engine
         self.group = engine.group
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
+        # None: collect for max_wait_ms. A number: also close the batch once no request came
+        # for idle_ms, so a long max_wait_ms gathers a burst that trickles in (HTTP requests
+        # parsed one after another) without holding a lone request for all of it.
+        self.idle = None if idle_ms is None else idle_ms / 1000.0
         self.failure: BaseException | None = None  # set once: FAILED
         self.batches = 0  # batches run, for tests and metrics
         self._queue: asyncio.Queue[_Item] | None = None
@@ -121,7 +131,8 @@ class BatchingSampler(Sampler):
             batch = [first]  # COLLECTING
             deadline = time.perf_counter() + self.max_wait
             while len(batch) < self.max_batch:
-                item = await self._next(deadline - time.perf_counter())
+                left = deadline - time.perf_counter()
+                item = await self._next(left if self.idle is None else min(left, self.idle))
                 if item is None:
                     break
                 if item.weights is not None:  # weights wait for the requests sent before them

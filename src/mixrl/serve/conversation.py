@@ -58,16 +58,60 @@ def _render(chat: ChatFormat, messages: list[dict[str, Any]], tools: list[Any] |
         raise ValueError(f"the chat template failed on roles {[m['role'] for m in messages]}: {e}") from e
 
 
-def _ids(chat: ChatFormat, text: str, contents: list[str]) -> list[int]:
-    """Encode rendered ``text``: template parts as trusted text, each sentinel as its content."""
-    out: list[int] = []
-    for i, content in enumerate(contents):
+def _frame(chat: ChatFormat, text: str, n: int) -> list[list[int]]:
+    """Rendered ``text`` with sentinels 0..n-1 -> the ids of the template text around them."""
+    pieces: list[list[int]] = []
+    for i in range(n):
         mark = SENTINEL.format(i)
         if text.count(mark) != 1:
             raise ValueError(f"the chat template does not write message contents verbatim (content {i})")
         before, text = text.split(mark)
-        out += chat.encode(before) + encode_untrusted(chat.tokenizer, content)
-    return out + chat.encode(text)
+        pieces.append(chat.encode(before))
+    return pieces + [chat.encode(text)]
+
+
+def _join(frame: list[list[int]], contents: list[str], encode: Any) -> list[int]:
+    """Template ids as trusted text, each content between them as untrusted text."""
+    out = list(frame[0])
+    for content, after in zip(contents, frame[1:], strict=True):
+        out += encode(content) + after
+    return out
+
+
+class Frames:
+    """Encoded template text per conversation *shape* (roles, names, tool calls, tools; contents
+    replaced by sentinels): a template writes contents verbatim, so the text around them does
+    not depend on them, and rendering and encoding it once per shape gives the same ids as
+    every time. A template that reads the clock (``strftime_now``) is rendered every time.
+    Contents seen before (system prompts, repeated turns) keep their untrusted encoding too."""
+
+    def __init__(self, chat: ChatFormat, size: int = 4096) -> None:
+        self.chat, self.size = chat, size
+        self.enabled = size > 0 and "strftime" not in str(chat.template) and "now(" not in str(chat.template)
+        self._cache: dict[str, list[list[int]]] = {}
+        self._texts: dict[str, list[int]] = {}
+
+    def _untrusted(self, content: str) -> list[int]:
+        ids = self._texts.get(content)
+        if ids is None:
+            ids = encode_untrusted(self.chat.tokenizer, content)
+            if self.enabled and len(content) <= 1024:
+                if len(self._texts) >= self.size:
+                    self._texts.clear()
+                self._texts[content] = ids
+        return ids
+
+    def ids(self, kind: str, msgs: list[dict[str, Any]], tools: list[Any] | None, contents: list[str],
+            render: Any) -> list[int]:
+        key = json.dumps([kind, msgs, tools], sort_keys=True, default=str) if self.enabled else None
+        frame = self._cache.get(key) if key is not None else None
+        if frame is None:
+            frame = _frame(self.chat, render(), len(contents))
+            if key is not None:
+                if len(self._cache) >= self.size:
+                    self._cache.clear()
+                self._cache[key] = frame
+        return _join(frame, contents, self._untrusted)
 
 
 def _text(content: Any) -> str:
@@ -120,23 +164,30 @@ def _for_template(messages: list[dict[str, Any]], contents: list[str]) -> list[d
     return out
 
 
-def render_ids(chat: ChatFormat, messages: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+def render_ids(chat: ChatFormat, messages: list[dict[str, Any]], tools: list[Any] | None,
+               frames: Frames | None = None) -> list[int]:
     """A whole conversation plus the assistant header (a new segment's prompt)."""
     contents: list[str] = []
     msgs = _for_template(messages, contents)
-    return _ids(chat, _render(chat, msgs, tools), contents)
+    return (frames or Frames(chat, 0)).ids("prompt", msgs, tools, contents, lambda: _render(chat, msgs, tools))
 
 
-def continuation_ids(chat: ChatFormat, new: list[dict[str, Any]], tools: list[Any] | None) -> list[int]:
+def continuation_ids(chat: ChatFormat, new: list[dict[str, Any]], tools: list[Any] | None,
+                     frames: Frames | None = None) -> list[int]:
     """Ids of ``new`` messages after an assistant reply's end-of-turn token, plus the header."""
     contents: list[str] = []
-    history = [{"role": "user", "content": FILLER_USER}, {"role": "assistant", "content": FILLER_REPLY}]
-    full = _render(chat, history + _for_template(new, contents), tools)
-    cut = full.index(FILLER_REPLY) + len(FILLER_REPLY)
-    eot = chat.decode([chat.end_of_turn_id])
-    if full.startswith(eot, cut):  # the generated reply already holds that token
-        cut += len(eot)
-    return _ids(chat, full[cut:], contents)
+    msgs = _for_template(new, contents)
+
+    def render() -> str:
+        history = [{"role": "user", "content": FILLER_USER}, {"role": "assistant", "content": FILLER_REPLY}]
+        full = _render(chat, history + msgs, tools)
+        cut = full.index(FILLER_REPLY) + len(FILLER_REPLY)
+        eot = chat.decode([chat.end_of_turn_id])
+        if full.startswith(eot, cut):  # the generated reply already holds that token
+            cut += len(eot)
+        return full[cut:]
+
+    return (frames or Frames(chat, 0)).ids("after", msgs, tools, contents, render)
 
 
 def _clone(traj: Trajectory) -> Trajectory:
@@ -166,6 +217,7 @@ class SessionStore:
 
     def __init__(self, chat: ChatFormat) -> None:
         self.chat = chat
+        self.frames = Frames(chat)
         self.sessions: dict[str, SessionState] = {}
         self.history_rewrites = 0
 
@@ -186,7 +238,7 @@ class SessionStore:
                     traj = _clone(fork.traj)
                     if not traj.tokens or traj.tokens[-1] not in self.chat.stop_ids:
                         _append_env(traj, [self.chat.end_of_turn_id])  # the reply was cut (length, stop string)
-                    _append_env(traj, continuation_ids(self.chat, messages[k + 1:], tools))
+                    _append_env(traj, continuation_ids(self.chat, messages[k + 1:], tools, self.frames))
                     st.prefix, st.tools_key = norm, key
                     return traj
         if st.forks:  # the agent's history is not ours: a new segment
@@ -194,7 +246,7 @@ class SessionStore:
             st.finished.append(st.forks[0].traj)
         traj = Trajectory(prompt_id=session, sample_idx=0, task="openai")
         traj.info["segment"] = len(st.finished)
-        _append_env(traj, render_ids(self.chat, messages, tools))
+        _append_env(traj, render_ids(self.chat, messages, tools, self.frames))
         st.prefix, st.tools_key, st.forks = norm, key, []
         return traj
 
