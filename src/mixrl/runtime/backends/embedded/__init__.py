@@ -66,7 +66,9 @@ class EmbeddedBackend(Backend):
     async def make_trainer(self) -> TrainerHandle:
         from mixrl.runtime.trainer_state import build_trainer
 
-        if self.cfg.trainer.world_size > 1:  # FSDP2 ranks, one process each (mixrl.runtime.ranks)
+        # FSDP2 ranks, one process each (mixrl.runtime.ranks); a CUDA trainer (num_gpus > 0)
+        # is a rank process too, even alone: this process keeps no CUDA context
+        if self.cfg.trainer.world_size > 1 or self.cfg.trainer.num_gpus > 0:
             from mixrl.fleet.shared_weights import SharedVersion
             from mixrl.runtime.ranks import LocalRanks
 
