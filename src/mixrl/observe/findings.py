@@ -1,39 +1,55 @@
-"""The seed study's four findings, judged from the data of a comparison.
+"""The seed study's four findings, judged from the data of a comparison, with intervals.
 
-Each verdict is ``reproduced``, ``not reproduced`` or ``inconclusive`` with the
-figures behind it; nothing is assumed. A missing arm makes its finding
-inconclusive.
+Each verdict is ``reproduced``, ``not reproduced``, ``not distinguishable`` (the
+bootstrap interval of the difference that decides it contains 0) or
+``inconclusive`` (an arm is missing); the interval and the figures behind it are
+part of the evidence. Held-out scores are pass@k of the final policy over seeds
+and tasks (``observe/stats.py``), on all evaluated tasks and, reported
+separately, on the hard subset (tasks the base policy solves < 25% of the time).
+Findings 1, 2 and 4 are judged per fleet (mixed and stress, where run).
 
-1. Uncorrected GRPO on mixed-precision samplers collapses (reward falls, KL
-   grows >= 3x, episodes end on repeated format errors).
-2. SC + MIS (with or without top-p replay) stays stable on the mixed fleet.
-3. With SC + MIS + top-p the mixed fleet matches the homogeneous fleet's
-   held-out pass@k at lower modelled cost.
-4. A group's share of out-of-range tokens follows its KL, not its share of samples.
+1. Uncorrected GRPO collapses: ``grpo`` on the fleet vs the zero-mismatch
+   ``on-policy`` reference: pass@k difference below 0 and a collapse flagged in
+   at least half of the seeds.
+2. SC + MIS stays stable: ``sc+mis+top-p`` (else ``sc+mis``) never collapses and
+   beats ``grpo`` on the same fleet.
+3. Mixed matches homogeneous: ``sc+mis+top-p`` mixed vs homogeneous, judged on
+   quality only; the modelled cost (profile price and throughput table, not a
+   measurement) is reported beside it, never as evidence.
+4. A group's share of out-of-range tokens follows its precision KL rather than
+   its share of samples: per seed, Spearman(oob share, KL) − Spearman(oob share,
+   sample share) over the fleet's groups, with an interval over seeds.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from mixrl.observe.plots import group_stats, kl_key
 from mixrl.observe.runs import Run
+from mixrl.observe.stats import (
+    NOT_DISTINGUISHABLE, Interval, bootstrap_mean_diff, bootstrap_passk_diff, bootstrap_passk_mean,
+    hard_tasks,
+)
+
+COST_SOURCE = ("modelled: generated tokens / profile tokens_per_second x price_per_hour, "
+               "from sampling/profiles.toml (list prices, modelled throughput; not measured)")
 
 
 @dataclass
 class Finding:
     title: str
-    verdict: str  # "reproduced" | "not reproduced" | "inconclusive"
+    verdict: str  # "reproduced" | "not reproduced" | "not distinguishable" | "inconclusive"
     evidence: str
+    interval: Interval | None = None
 
 
 def kl_growth(run: Run, skip: int = 10, early: int = 10, late: int = 10) -> float:
-    """Mean KL of the last ``late`` steps over the mean of steps (skip, skip + early].
+    """Mean precision KL of the last ``late`` steps over the mean of steps (skip, skip + early].
 
-    The first steps are skipped as in the collapse monitor: an async run has no
-    staleness yet, so their KL is the precision mismatch alone.
-    """
+    The first steps are skipped as in the collapse monitor; short runs use no skip."""
     k = kl_key(run)
     _, ys = run.series(k)
     if len(ys) < skip + early + late:
@@ -45,6 +61,7 @@ def kl_growth(run: Run, skip: int = 10, early: int = 10, late: int = 10) -> floa
 
 def summarize(run: Run, k: int = 4) -> dict[str, float | str | bool]:
     n = max(1, len(run.rows) // 10)
+    pre = kl_key(run).split("/")[0]
     return {
         "run": run.name,
         "steps": len(run.rows),
@@ -52,17 +69,139 @@ def summarize(run: Run, k: int = 4) -> dict[str, float | str | bool]:
         "reward_final": run.mean("rollout/reward", last=n),
         f"pass@{k}": float(run.eval.get(f"pass@{k}", math.nan)),
         "pass@1": float(run.eval.get("pass@1", math.nan)),
+        "kl": run.mean(kl_key(run)),
         "kl_growth": kl_growth(run),
-        "ratio_oob": run.mean("mismatch/ratio_oob"),
+        "ratio_oob": run.mean(f"{pre}/ratio_oob"),
         "format_error_end": run.mean("rollout/format_error_end", last=n),
+        "empty_last_reply": run.mean("rollout/empty_last_reply", last=n),
+        "length": run.mean("rollout/length", last=n),
         "collapse_flags": ",".join(run.flags()) or "none",
         "collapsed": run.collapsed,
         "cost": run.mean("cost/cumulative", last=1),
     }
 
 
-def _find(runs: list[Run], fleet: str, arm: str) -> Run | None:
-    return next((r for r in runs if r.fleet == fleet and r.arm == arm and r.rows), None)
+def cells(runs: list[Run]) -> dict[str, list[Run]]:
+    """``<fleet>/<arm>`` -> its runs (one per seed), runs without metrics left out."""
+    out: dict[str, list[Run]] = {}
+    for r in runs:
+        if r.rows:
+            out.setdefault(r.cell, []).append(r)
+    return out
+
+
+def per_task(run: Run) -> dict[str, Any] | None:
+    t = run.eval.get("per_task")
+    return dict(t) if isinstance(t, dict) and t else None
+
+
+def hard_set(runs: list[Run]) -> list[str]:
+    """Held-out tasks the base policy solves < 25% of the time (any run's base evaluation:
+    it is the same policy, tasks and sampling seeds in every run of a study)."""
+    for r in runs:
+        base = r.base.get("per_task") if r.base else None
+        if isinstance(base, dict) and base:
+            return hard_tasks(base)
+    return []
+
+
+def _tables(rs: list[Run]) -> list[dict[str, Any]]:
+    return [t for r in rs if (t := per_task(r)) is not None]
+
+
+def cell_table(runs: list[Run], k: int) -> list[dict[str, Any]]:
+    """One row per cell: means over seeds with 95% bootstrap intervals."""
+    hard, rows = hard_set(runs), []
+    for name, rs in sorted(cells(runs).items()):
+        tabs = _tables(rs)
+        s = [summarize(r, k) for r in rs]
+        row: dict[str, Any] = {"cell": name, "seeds": len(rs), "steps": min(int(x["steps"]) for x in s)}
+        row[f"pass@{k}"] = bootstrap_passk_mean(tabs, k) if tabs else None
+        row[f"pass@{k} hard"] = bootstrap_passk_mean(tabs, k, tasks=hard) if tabs and hard else None
+        for key in ("reward_final", "kl", "ratio_oob", "format_error_end", "empty_last_reply", "length"):
+            row[key] = bootstrap_mean_diff([float(x[key]) for x in s])
+        row["collapsed"] = f"{sum(bool(x['collapsed']) for x in s)}/{len(s)}"
+        row["kl_metric"] = ",".join(sorted({kl_key(r) for r in rs}))
+        row["cost (modelled)"] = sum(float(x["cost"]) for x in s) / len(s)
+        rows.append(row)
+    return rows
+
+
+def _diff(a: list[Run], b: list[Run], k: int, tasks: list[str] | None = None) -> Interval | None:
+    ta, tb = _tables(a), _tables(b)
+    if not ta or not tb or tasks == []:
+        return None
+    return bootstrap_passk_diff(ta, tb, k, tasks=tasks)
+
+
+def _iv(iv: Interval | None) -> str:
+    return str(iv) if iv is not None else "no interval (no per-task evaluation)"
+
+
+def _fleets(c: dict[str, list[Run]]) -> list[str]:
+    return [f for f in ("mixed", "stress") if any(name.startswith(f + "/") for name in c)]
+
+
+def _f1(c: dict[str, list[Run]], fleet: str, k: int, hard: list[str]) -> Finding:
+    title = f"1. uncorrected GRPO collapses ({fleet} fleet)"
+    grpo, ref = c.get(f"{fleet}/grpo"), c.get("reference/on-policy")
+    if not grpo or not ref:
+        return Finding(title, "inconclusive", f"needs `{fleet}/grpo` and `reference/on-policy` runs")
+    iv = _diff(grpo, ref, k)
+    collapsed = sum(r.collapsed for r in grpo)
+    rew = bootstrap_mean_diff([summarize(r, k)["reward_final"] for r in grpo],  # type: ignore[misc]
+                              [summarize(r, k)["reward_final"] for r in ref])  # type: ignore[misc]
+    ev = (f"pass@{k} grpo - on-policy: {_iv(iv)}; hard subset ({len(hard)} tasks): "
+          f"{_iv(_diff(grpo, ref, k, hard))}; final training reward difference {_iv(rew)}; "
+          f"collapse flagged in {collapsed}/{len(grpo)} seeds; precision KL growth "
+          + ", ".join(f"{kl_growth(r):.2f}x" for r in grpo))
+    if iv is None:
+        return Finding(title, "inconclusive", ev)
+    if iv.contains_zero:
+        verdict = NOT_DISTINGUISHABLE
+    elif iv.hi < 0 and 2 * collapsed >= len(grpo):
+        verdict = "reproduced"
+    else:
+        verdict = "not reproduced"
+    return Finding(title, verdict, ev, iv)
+
+
+def _f2(c: dict[str, list[Run]], fleet: str, k: int, hard: list[str]) -> Finding:
+    title = f"2. SC + MIS stays stable ({fleet} fleet)"
+    arm = next((a for a in ("sc+mis+top-p", "sc+mis") if c.get(f"{fleet}/{a}")), None)
+    grpo = c.get(f"{fleet}/grpo")
+    if arm is None or not grpo:
+        return Finding(title, "inconclusive", f"needs `{fleet}/sc+mis+top-p` (or sc+mis) and `{fleet}/grpo`")
+    sc = c[f"{fleet}/{arm}"]
+    iv = _diff(sc, grpo, k)
+    collapsed = sum(r.collapsed for r in sc)
+    ref = c.get("reference/on-policy")
+    ev = (f"pass@{k} {arm} - grpo: {_iv(iv)}; hard subset: {_iv(_diff(sc, grpo, k, hard))}; "
+          f"{arm} - on-policy: {_iv(_diff(sc, ref, k) if ref else None)}; "
+          f"collapse flagged in {collapsed}/{len(sc)} seeds of {arm}")
+    if collapsed:
+        return Finding(title, "not reproduced", ev, iv)
+    if iv is None:
+        return Finding(title, "inconclusive", ev)
+    verdict = NOT_DISTINGUISHABLE if iv.contains_zero else ("reproduced" if iv.lo > 0 else "not reproduced")
+    return Finding(title, verdict, ev, iv)
+
+
+def _f3(c: dict[str, list[Run]], k: int, hard: list[str]) -> Finding:
+    title = "3. mixed fleet matches homogeneous (quality; cost reported separately)"
+    mixed, homo = c.get("mixed/sc+mis+top-p"), c.get("homogeneous/sc+mis+top-p")
+    if not mixed or not homo:
+        return Finding(title, "inconclusive", "needs `sc+mis+top-p` on the mixed and homogeneous fleets")
+    iv = _diff(mixed, homo, k)
+    cm = sum(r.mean("cost/cumulative", last=1) for r in mixed) / len(mixed)
+    ch = sum(r.mean("cost/cumulative", last=1) for r in homo) / len(homo)
+    ev = (f"pass@{k} mixed - homogeneous: {_iv(iv)}; hard subset: {_iv(_diff(mixed, homo, k, hard))}. "
+          f"Cost, separately: mixed ${cm:.4f} vs homogeneous ${ch:.4f} per run ({COST_SOURCE})")
+    if iv is None:
+        return Finding(title, "inconclusive", ev)
+    # "matches" is only ever "no difference found"; the width says how much could hide in it
+    verdict = NOT_DISTINGUISHABLE if iv.contains_zero else ("reproduced" if iv.lo > 0 else "not reproduced")
+    return Finding(title, verdict, ev + f"; interval width {iv.hi - iv.lo:.3f}", iv)
 
 
 def _spearman(a: list[float], b: list[float]) -> float:
@@ -83,71 +222,36 @@ def _spearman(a: list[float], b: list[float]) -> float:
     return cov / (va * vb) if va > 0 and vb > 0 else math.nan
 
 
+def _f4(c: dict[str, list[Run]], fleet: str) -> Finding:
+    title = f"4. out-of-range share follows KL, not sample share ({fleet} fleet)"
+    runs = [r for name, rs in c.items() if name.startswith(fleet + "/") for r in rs if len(r.groups()) >= 3]
+    diffs, kls = [], []
+    for r in runs:
+        st = group_stats(r)
+        g = sorted(st)
+        oob = [st[x]["share_oob"] for x in g]
+        if any(math.isnan(v) for v in oob) or not sum(oob):
+            continue
+        rk = _spearman(oob, [st[x]["kl"] for x in g])
+        rs_ = _spearman(oob, [st[x]["share_samples"] for x in g])
+        if not math.isnan(rk):
+            kls.append(rk)
+            diffs.append(rk - (0.0 if math.isnan(rs_) else rs_))
+    if not diffs:
+        return Finding(title, "inconclusive", f"no {fleet} run with >= 3 groups and out-of-range tokens")
+    iv = bootstrap_mean_diff(diffs)
+    ev = (f"over {len(diffs)} runs: Spearman(oob share, precision KL) mean {sum(kls) / len(kls):.2f}; "
+          f"Spearman(oob, KL) - Spearman(oob, sample share): {_iv(iv)}")
+    assert iv is not None
+    verdict = NOT_DISTINGUISHABLE if iv.contains_zero else ("reproduced" if iv.lo > 0 else "not reproduced")
+    return Finding(title, verdict, ev, iv)
+
+
 def judge(runs: list[Run], k: int = 4) -> list[Finding]:
-    out = []
-    grpo = _find(runs, "mixed", "grpo")
-    if grpo is None:
-        out.append(Finding("1. uncorrected GRPO collapses on mixed samplers", "inconclusive",
-                           "no `grpo` run on the mixed fleet"))
-    else:
-        s = summarize(grpo, k)
-        ev = (f"reward {s['reward_first']:.3f} -> {s['reward_final']:.3f}, KL growth "
-              f"{s['kl_growth']:.2f}x, format-error share at the end {s['format_error_end']:.3f}, "
-              f"flags: {s['collapse_flags']}, over {s['steps']} steps")
-        out.append(Finding("1. uncorrected GRPO collapses on mixed samplers",
-                           "reproduced" if grpo.collapsed else "not reproduced", ev))
-    stable = [r for a in ("sc+mis", "sc+mis+top-p") if (r := _find(runs, "mixed", a))]
-    if not stable:
-        out.append(Finding("2. SC + MIS stays stable on mixed samplers", "inconclusive",
-                           "no `sc+mis` / `sc+mis+top-p` run on the mixed fleet"))
-    else:
-        parts = [f"{r.arm}: flags {','.join(r.flags()) or 'none'}, KL growth {kl_growth(r):.2f}x"
-                 for r in stable]
-        if any(r.collapsed for r in stable):
-            verdict = "not reproduced"
-        elif grpo is not None and not grpo.collapsed:
-            verdict = "inconclusive"
-            parts.append("stable, but the uncorrected baseline did not collapse either, so the "
-                         "corrections were not needed at this scale")
-        else:
-            verdict = "reproduced"
-        out.append(Finding("2. SC + MIS stays stable on mixed samplers", verdict, "; ".join(parts)))
-    mixed, homo = _find(runs, "mixed", "sc+mis+top-p"), _find(runs, "homogeneous", "sc+mis+top-p")
-    if mixed is None or homo is None or f"pass@{k}" not in mixed.eval or f"pass@{k}" not in homo.eval:
-        out.append(Finding("3. mixed fleet matches homogeneous at lower cost", "inconclusive",
-                           "needs `sc+mis+top-p` on both fleets with a final evaluation"))
-    else:
-        pm, ph = float(mixed.eval[f"pass@{k}"]), float(homo.eval[f"pass@{k}"])
-        n = float(mixed.eval.get("n_tasks", 50))
-        tol = 2 * math.sqrt(max(pm * (1 - pm), ph * (1 - ph), 0.05) / n)
-        cm, ch = mixed.mean("cost/cumulative", last=1), homo.mean("cost/cumulative", last=1)
-        ev = (f"pass@{k} mixed {pm:.3f} vs homogeneous {ph:.3f} (noise band ±{tol:.3f} over "
-              f"{int(n)} tasks); modelled cost mixed ${cm:.4f} vs homogeneous ${ch:.4f}")
-        if pm >= ph - tol and cm < ch:
-            verdict = "reproduced"
-        elif pm < ph - tol or cm >= ch:
-            verdict = "not reproduced"
-        else:
-            verdict = "inconclusive"
-        out.append(Finding("3. mixed fleet matches homogeneous at lower cost", verdict, ev))
-    run = mixed or next((r for r in runs if r.fleet == "mixed" and r.groups()), None)
-    stats = group_stats(run) if run else {}
-    if not stats:
-        out.append(Finding("4. out-of-range share follows KL, not sample share", "inconclusive",
-                           "no per-group metrics on a mixed fleet"))
-    else:
-        total_oob = sum(run.mean(f"mismatch/ratio_oob/{g}") or 0 for g in stats)  # type: ignore[union-attr]
-        g = sorted(stats)
-        oob = [stats[x]["share_oob"] for x in g]
-        rho_kl = _spearman(oob, [stats[x]["kl"] for x in g])
-        rho_s = _spearman(oob, [stats[x]["share_samples"] for x in g])
-        ev = (f"{run.name}: Spearman(oob share, KL) = {rho_kl:.2f}, "  # type: ignore[union-attr]
-              f"Spearman(oob share, sample share) = {rho_s:.2f} over {len(g)} groups")
-        if not total_oob or any(math.isnan(x) for x in oob) or math.isnan(rho_kl):
-            verdict, ev = "inconclusive", ev + "; too few tokens left [0.2, 5] to rank groups"
-        elif rho_kl > 0.5 and (math.isnan(rho_s) or rho_kl > rho_s):
-            verdict = "reproduced"
-        else:
-            verdict = "not reproduced"
-        out.append(Finding("4. out-of-range share follows KL, not sample share", verdict, ev))
+    c, hard = cells(runs), hard_set(runs)
+    fleets = _fleets(c) or ["mixed"]
+    out = [_f1(c, f, k, hard) for f in fleets]
+    out += [_f2(c, f, k, hard) for f in fleets]
+    out.append(_f3(c, k, hard))
+    out += [_f4(c, f) for f in fleets]
     return out

@@ -4,6 +4,9 @@
 ``groups.png``   per sampler group: KL, and share of samples vs share of
                  out-of-range tokens (bars), for one arm on the mixed fleet
 ``passk_cost.png`` held-out pass@k against cumulative modelled sampling cost
+``timelines.png`` the seed's "one cell per turn" figure: a few sampled episodes per
+                 arm, one row each, one cell per assistant reply (colour: reply length,
+                 red: empty), the episode's ending status at the right
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("mismatch/ratio_oob", "share of tokens with ratio outside [0.2, 5]"),
     ("rollout/length", "trajectory length (tokens)"),
     ("rollout/format_error_end", "share of episodes ending on format errors"),
+    ("rollout/empty_last_reply", "share of episodes whose last reply is empty"),
+    ("rollout/turns", "assistant turns per episode"),
 )
-FLEET_STYLE = {"mixed": "-", "homogeneous": "--"}
+FLEET_STYLE = {"mixed": "-", "homogeneous": "--", "stress": ":", "reference": "-."}
 
 
 def kl_key(run: Run) -> str:
@@ -56,7 +61,7 @@ def _plt():
 
 def plot_curves(runs: list[Run], out: Path, window: int = 5) -> Path:
     plt = _plt()
-    fig, axes = plt.subplots(2, 4, figsize=(20, 8.5))
+    fig, axes = plt.subplots(2, 5, figsize=(25, 8.5))
     arms = sorted({r.arm for r in runs})
     colors = {a: plt.cm.tab10(i % 10) for i, a in enumerate(arms)}
     for ax, (key, title) in zip(axes.flat, PANELS, strict=False):
@@ -78,8 +83,8 @@ def plot_curves(runs: list[Run], out: Path, window: int = 5) -> Path:
     if len(runs) == 1:
         fig.suptitle(f"{runs[0].name}: training curves of one run (moving average over {window} steps)")
     else:
-        fig.suptitle(f"Training curves of {len(runs)} runs (moving average over {window} steps; solid: mixed fleet, "
-                     "dashed: homogeneous)")
+        fig.suptitle(f"Training curves of {len(runs)} runs (moving average over {window} steps; solid: mixed "
+                     "fleet, dashed: homogeneous, dotted: stress, dash-dot: reference arms)")
     fig.tight_layout()
     path = Path(out) / "curves.png"
     fig.savefig(path, dpi=90)
@@ -164,3 +169,37 @@ def plot_passk_cost(runs: list[Run], out: Path, k: int = 4) -> Path:
 
 def _nz(x: float) -> float:
     return 0.0 if not math.isfinite(x) else x
+
+
+def plot_timelines(runs: list[Run], out: Path, per_cell: int = 3) -> Path | None:
+    """One row per sampled episode (the last ``per_cell`` of each arm), one cell per reply."""
+    rows: list[tuple[str, dict]] = []
+    for cell in sorted({r.cell for r in runs}):
+        eps = [(r.seed, e) for r in runs if r.cell == cell for e in r.episodes if e.get("replies")]
+        rows += [(f"{cell} {seed} step {e.get('step')}", e) for seed, e in eps[-per_cell:]]
+    if not rows:
+        return None
+    plt = _plt()
+    width = max(len(e["replies"]) for _, e in rows)
+    fig, ax = plt.subplots(figsize=(4 + 1.4 * width, 1 + 0.35 * len(rows)))
+    cmap = plt.cm.viridis
+    longest = max(c["tokens"] for _, e in rows for c in e["replies"]) or 1
+    for i, (_, e) in enumerate(rows):
+        for j, c in enumerate(e["replies"]):
+            empty = c["tokens"] <= 1
+            ax.add_patch(plt.Rectangle((j, i), 0.95, 0.9, color="tab:red" if empty
+                                       else cmap(c["tokens"] / longest)))
+            ax.text(j + 0.47, i + 0.45, str(c["tokens"]), ha="center", va="center", fontsize=7,
+                    color="white")
+        ax.text(len(e["replies"]) + 0.1, i + 0.45, f"{e.get('status')} r={e.get('reward')}",
+                va="center", fontsize=7)
+    ax.set_xlim(0, width + 2)
+    ax.set_ylim(len(rows), 0)
+    ax.set_yticks([i + 0.45 for i in range(len(rows))], [name for name, _ in rows], fontsize=7)
+    ax.set_xticks([j + 0.47 for j in range(width)], [f"turn {j + 1}" for j in range(width)])
+    ax.set_title("sampled episodes: one cell per assistant reply (number: tokens; red: empty reply)")
+    fig.tight_layout()
+    path = Path(out) / "timelines.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

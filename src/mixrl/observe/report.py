@@ -15,12 +15,12 @@ import math
 from pathlib import Path
 from typing import Any
 
-from mixrl.observe.findings import Finding, judge, summarize
-from mixrl.observe.plots import plot_curves, plot_groups, plot_passk_cost
+from mixrl.observe.findings import COST_SOURCE, Finding, cell_table, hard_set, judge, summarize
+from mixrl.observe.plots import plot_curves, plot_groups, plot_passk_cost, plot_timelines
 from mixrl.observe.runs import Run, load_runs
 
-COLUMNS = ("run", "steps", "reward_first", "reward_final", "pass@1", "pass@4", "kl_growth",
-           "ratio_oob", "format_error_end", "collapse_flags", "cost")
+COLUMNS = ("run", "steps", "reward_first", "reward_final", "pass@1", "pass@4", "kl", "kl_growth",
+           "ratio_oob", "format_error_end", "empty_last_reply", "length", "collapse_flags", "cost")
 # One line per column, shown under the table ("pass@4" stands for pass@k).
 COLUMN_HELP = {
     "run": "the run (inside a compare directory: fleet/arm)",
@@ -29,11 +29,14 @@ COLUMN_HELP = {
     "reward_final": "mean episode reward over the last 10% of the updates",
     "pass@1": "held-out share of samples that are correct, final policy (unbiased estimator)",
     "pass@4": "held-out chance that at least one of k samples is correct, final policy",
-    "kl_growth": "sampler-trainer KL, mean of the last 10 updates / updates 11-20 (> 1: the mismatch grows)",
-    "ratio_oob": "share of tokens whose importance ratio trainer/sampler is outside [0.2, 5]",
+    "kl": "precision KL (staleness-0 tokens: exact KL where the support is recorded, else k3), mean over the run",
+    "kl_growth": "precision KL, mean of the last 10 updates / updates 11-20 (> 1: the mismatch grows)",
+    "ratio_oob": "share of staleness-0 tokens whose ratio trainer/sampler is outside [0.2, 5]",
     "format_error_end": "share of episodes ended by repeated format errors, last 10% of updates",
+    "empty_last_reply": "share of episodes whose last reply is empty, last 10% of updates",
+    "length": "generated tokens per episode, last 10% of updates",
     "collapse_flags": "signals the collapse monitor raised (collapse.jsonl), or none",
-    "cost": "modelled sampling cost in USD: tokens / profile throughput x profile price",
+    "cost": "sampling cost in USD, " + COST_SOURCE,
 }
 
 
@@ -75,6 +78,15 @@ def _clip(text: str, n: int = 600) -> str:
     return text if len(text) <= n else text[:n] + " ..."
 
 
+def _cell(v: Any) -> str:
+    """An interval as 'mean [lo, hi]'; anything else as ``_fmt``."""
+    if v is None:
+        return "–"
+    if hasattr(v, "lo") and hasattr(v, "estimate"):
+        return f"{_fmt(v.estimate)} [{_fmt(v.lo)}, {_fmt(v.hi)}]"
+    return _fmt(v)
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         if math.isnan(v):
@@ -93,11 +105,15 @@ def build(dir_: Path, k: int | None = None) -> dict[str, Any]:
     if focus is not None and (g := plot_groups(focus, figs_dir)) is not None:
         figures.append(g)
     figures.append(plot_passk_cost(runs, figs_dir, k))
+    if (t := plot_timelines(runs, figs_dir)) is not None:
+        figures.append(t)
     rows = [summarize(r, k) for r in runs]
+    table = cell_table(runs, k) if len(runs) > 1 else []
     findings = judge(runs, k) if len(runs) > 1 else []
     episodes = [(r.name, e) for r in runs for e in r.episodes[-4:]] if len(runs) == 1 else []
     return {"runs": runs, "rows": rows, "findings": findings, "figures": figures, "k": k,
-            "evals": eval_rows(runs, k), "episodes": episodes}
+            "evals": eval_rows(runs, k), "episodes": episodes, "cells": table,
+            "hard": len(hard_set(runs))}
 
 
 def _focus(runs: list[Run]) -> Run | None:
@@ -123,6 +139,15 @@ def markdown(dir_: Path, rep: dict[str, Any], k: int) -> str:
     lines += [f"- **{c}**: {COLUMN_HELP[c if c != f'pass@{k}' else 'pass@4']}" for c in cols]
     lines += ["", "Costs are modelled (list prices by default); KL is the exact KL where the support "
               "is recorded, else k3.", ""]
+    if rep["cells"]:
+        ccols = list(rep["cells"][0])
+        lines += ["## Per arm: mean over seeds [95% bootstrap interval]", "",
+                  f"pass@{k} over seeds x held-out tasks; hard: the {rep['hard']} held-out tasks the base "
+                  "policy solves < 25% of the time; other columns over seeds. Cost is "
+                  + COST_SOURCE + ".", "",
+                  "| " + " | ".join(ccols) + " |", "|" + "---|" * len(ccols)]
+        lines += ["| " + " | ".join(_cell(r.get(c)) for c in ccols) + " |" for r in rep["cells"]]
+        lines.append("")
     if rep["evals"]:
         ecols = list(rep["evals"][0])
         lines += [f"## Held-out evaluation: base vs final (pass@{k})", "",
@@ -163,6 +188,15 @@ def render_html(dir_: Path, rep: dict[str, Any], k: int) -> str:
              "img{max-width:100%}.reproduced{color:#070}.not{color:#a00}.inconclusive{color:#a60}")
     helps = "".join(f"<li><b>{html.escape(c)}</b>: {html.escape(COLUMN_HELP[c if c != f'pass@{k}' else 'pass@4'])}</li>"
                     for c in cols)
+    cells = ""
+    if rep["cells"]:
+        ccols = list(rep["cells"][0])
+        cells = (f"<h2>Per arm: mean over seeds [95% bootstrap interval]</h2><p>pass@{k} over seeds x "
+                 f"held-out tasks; hard: the {rep['hard']} tasks the base policy solves &lt; 25% of the time. "
+                 f"Cost is {html.escape(COST_SOURCE)}.</p><table><tr>"
+                 + "".join(f"<th>{html.escape(c)}</th>" for c in ccols) + "</tr>"
+                 + "".join("<tr>" + "".join(f"<td>{html.escape(_cell(r.get(c)))}</td>" for c in ccols) + "</tr>"
+                           for r in rep["cells"]) + "</table>")
     evals = ""
     if rep["evals"]:
         ecols = list(rep["evals"][0])
@@ -180,7 +214,7 @@ def render_html(dir_: Path, rep: dict[str, Any], k: int) -> str:
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>mixrl report</title>"
             f"<style>{style}</style></head><body><h1>mixrl report: {html.escape(str(dir_))} ({html.escape(title)})</h1>"
             f"<h2>Runs</h2><table><tr>{head}</tr>{body}</table><ul>{helps}</ul>"
-            f"<p>Costs are modelled (tokens / profile throughput x list price).</p>" + evals
+            f"<p>Costs are modelled (tokens / profile throughput x list price).</p>" + cells + evals
             + (f"<h2>Sample episodes (prompt, replies with tool calls, reward)</h2>{eps}" if eps else "")
             + (f"<h2>The seed's findings</h2><ul>{finds}</ul>" if finds else "")
             + f"<h2>Figures</h2>{imgs}<h2>Config</h2><pre>{html.escape(_config_text(rep['runs']))}"
@@ -188,7 +222,7 @@ def render_html(dir_: Path, rep: dict[str, Any], k: int) -> str:
 
 
 def _finding_html(f: Finding) -> str:
-    cls = {"reproduced": "reproduced", "not reproduced": "not"}.get(f.verdict, "inconclusive")
+    cls = {"reproduced": "reproduced", "not reproduced": "not"}.get(f.verdict, "inconclusive")  # and "not distinguishable"
     return (f"<li><b>{html.escape(f.title)}: <span class='{cls}'>{html.escape(f.verdict)}"
             f"</span>.</b> {html.escape(f.evidence)}</li>")
 

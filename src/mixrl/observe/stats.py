@@ -147,5 +147,21 @@ def hard_tasks(base: dict[str, Sequence[int]], threshold: float = 0.25) -> list[
     return sorted(t for t, (n, c) in base.items() if n > 0 and c / n < threshold)
 
 
-__all__ = ["Interval", "NOT_DISTINGUISHABLE", "verdict_of", "passk_matrix", "diff_draws",
+__all__ = ["Interval", "NOT_DISTINGUISHABLE", "verdict_of", "passk_matrix", "diff_draws", "bootstrap_passk_mean",
            "bootstrap_passk_diff", "bootstrap_mean_diff", "hard_tasks"]
+
+
+def bootstrap_passk_mean(
+    a: Sequence[dict[str, Sequence[int]]], k: int, *, tasks: Sequence[str] | None = None,
+    draws: int = 2000, level: float = 0.95, seed: int = 0,
+) -> Interval | None:
+    """pass@k of one arm with its interval over seeds and tasks (the difference from an
+    arm that scores 0 on every task: the same resampling as ``bootstrap_passk_diff``)."""
+    if not a:
+        return None
+    tasks = sorted(set.intersection(*(set(t) for t in a))) if tasks is None else list(tasks)
+    zero = [{t: (max(k, 1), 0) for t in tasks}]
+    iv = bootstrap_passk_diff(a, zero, k, tasks=tasks, draws=draws, level=level, seed=seed)
+    if iv is not None:
+        iv.what = f"{len(a)} seeds x {len(tasks)} tasks"
+    return iv
