@@ -16,7 +16,17 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from mixrl.config.presets import get_preset
 from mixrl.rollout.types import Trajectory
 from mixrl.train.batch import collate, prepare
-from mixrl.train.packing import block_mask, micro_batches, model_inputs, pack, used_len
+from mixrl.train.packing import (
+    ATTN_COST,
+    block_mask,
+    micro_batches,
+    model_inputs,
+    pack,
+    pack_rows,
+    plan_cost,
+    row_caps,
+    used_len,
+)
 from mixrl.train.trainer import Trainer, needed_cand_kind
 
 torch.set_num_threads(1)
@@ -263,3 +273,128 @@ def test_bad_settings_are_rejected():
         OptimConfig(micro_batch_tokens=0)
     ref = copy.deepcopy(OptimConfig())
     assert ref.packing and ref.micro_batch_tokens >= 1024
+
+
+# ------------------------------------------------------------------ the packer: row length by modelled cost
+
+
+def records_of(lens: list[int]):
+    """Records whose used length (last generated position) is each of ``lens``."""
+    trajs = []
+    for i, n in enumerate(lens):
+        mask = [0] * 3 + [1] * (n - 2)  # L = n + 1 tokens, last generated position n
+        trajs.append(Trajectory(prompt_id=f"p{i}", sample_idx=0, tokens=[(i + t) % V for t in range(n + 1)],
+                                loss_mask=mask, sampler_logprobs=[-1.0 if m else 0.0 for m in mask],
+                                versions=[0 if m else -1 for m in mask], groups=["a" if m else "" for m in mask],
+                                reward=1.0))
+    records, _ = prepare(trajs, [1.0] * len(trajs), vocab_size=V)
+    assert [used_len(r) for r in records] == lens
+    return records
+
+
+def check_plan(records, plan, budget):
+    """Every record once, every token once, rows within their length, micro-batches within budget."""
+    assert sorted(r.index for mb in plan for r in mb.records) == [r.index for r in records]
+    for mb in plan:
+        lens = [used_len(r) for r in mb.records]
+        if budget is not None and len(mb.records) > 1:
+            assert mb.tokens <= budget
+        assert mb.rows is not None and sum(mb.rows) == len(mb.records)
+        i = 0
+        for n in mb.rows:
+            assert sum(lens[i:i + n]) <= mb.row_len
+            i += n
+        tb = pack(mb)
+        assert tb.input_ids.shape == (len(mb.rows), mb.row_len)
+        assert int(tb.attention_mask.sum()) == sum(lens)  # each token of each record placed once
+        assert sorted(tb.input_ids[tb.attention_mask.bool()].tolist()) == sorted(
+            torch.cat([r.tokens[:used_len(r)] for r in mb.records]).tolist())
+
+
+def padding(plan, records) -> float:
+    return 1 - sum(used_len(r) for r in records) / sum(mb.tokens for mb in plan)
+
+
+@pytest.mark.parametrize("cost", [0.0, ATTN_COST, 0.05, 10.0])
+@pytest.mark.parametrize("budget", [40, 97, 512, 4096, None])
+def test_packer_places_everything_once_within_budget(cost, budget):
+    g = torch.Generator().manual_seed(11)
+    for lens in (torch.randint(16, 46, (200,), generator=g).tolist(),  # short, alike
+                 torch.randint(8, 160, (150,), generator=g).tolist(),  # a wide mix
+                 [30] * 64):  # uniform
+        records = records_of(lens)
+        plan = micro_batches(records, budget, packed=True, attn_cost=cost)
+        check_plan(records, plan, budget)
+
+
+def test_short_alike_episodes_pack_with_almost_no_padding():
+    """Episodes of 16-45 tokens rarely pair in rows of the longest; in longer rows they do."""
+    g = torch.Generator().manual_seed(12)
+    records = records_of(torch.randint(16, 46, (256,), generator=g).tolist())
+    lens = [used_len(r) for r in records]
+    padded = padding(micro_batches(records, 4096, packed=False), records)
+    at_longest = pack_rows(records, lens, max(lens), 4096)
+    chosen = micro_batches(records, 4096, packed=True)
+    free = micro_batches(records, 4096, packed=True, attn_cost=0.0)  # attention free: padding is all that costs
+    assert padded > 0.2 and padding(chosen, records) < 0.1
+    assert plan_cost(chosen, ATTN_COST) <= plan_cost(at_longest, ATTN_COST)
+    assert padding(free, records) < 0.02 < padding(at_longest, records)
+    assert max(mb.row_len for mb in free) > max(lens)
+    uniform = records_of([30] * 63 + [31])  # rows of the longest hold one each and pad 1 in 31
+    one_each = pack_rows(uniform, [30] * 63 + [31], 31, 4096)
+    assert padding(micro_batches(uniform, 4096, packed=True, attn_cost=0.0), uniform) < 0.02 < padding(one_each, uniform)
+
+
+def test_row_length_is_the_modelled_cheapest():
+    g = torch.Generator().manual_seed(13)
+    records = records_of(torch.randint(8, 160, (120,), generator=g).tolist())
+    lens = [used_len(r) for r in records]
+    for cost in (0.0, ATTN_COST, 0.05):
+        chosen = plan_cost(micro_batches(records, 2048, packed=True, attn_cost=cost), cost)
+        costs = [plan_cost(pack_rows(records, lens, cap, 2048), cost) for cap in row_caps(lens, 2048)]
+        assert chosen <= costs[0] and chosen <= min(costs[:5])  # never worse than rows of the longest
+        if cost == 0.0:  # free attention: the cheapest plan is the one with the least padding
+            assert chosen == pytest.approx(min(costs))
+    # attention expensive: rows no longer than the longest trajectory (the plan of the first cap)
+    big = micro_batches(records, 2048, packed=True, attn_cost=10.0)
+    assert max(mb.row_len for mb in big) == max(lens)
+    assert row_caps([5, 7], None) == [7, 8, 9, 10, 11, 12] and row_caps([50], 30) == [30]
+
+
+def test_attn_pair_cost_from_config():
+    from mixrl.train.packing import CPU_MASK_FACTOR, attn_pair_cost
+
+    m = tiny()
+    c = m.config  # d 32, 2 heads x 16, 1 kv head, ff 64: pair 4*2*16, token 2*(32*(4+2)*16 + 3*32*64)
+    assert attn_pair_cost(c) == pytest.approx(CPU_MASK_FACTOR * 128 / (2 * (32 * 6 * 16 + 3 * 32 * 64)))
+    assert attn_pair_cost(None) == ATTN_COST
+    big = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+                      head_dim=128)
+    assert attn_pair_cost(big) < attn_pair_cost(c) / 10  # a wide model affords far longer rows
+
+
+@pytest.mark.parametrize("preset,kind", [("sc+mis+top-p", "support"), ("grpo", "none")])
+def test_long_packed_rows_match_unpacked(preset, kind):
+    """Free attention (attn_cost 0): many trajectories per row, log-probs still aligned to 1e-10."""
+    from mixrl.models.chunked import chunked_logprobs
+
+    cfg = get_preset(preset).loss
+    trajs, adv = batch(24, kind, seed=9)
+    tr = Trainer(tiny(0), cfg, lr=1e-3, precision="fp64", chunk_size=7)
+    records, _ = tr._prepare(trajs, adv, strict=True)
+    with torch.no_grad():
+        ref = tr._forward(collate(records))
+        want = _per_record(records, ref.logprobs, ref.entropy, ref.cand_logprobs)
+        plan = micro_batches(records, 400, packed=True, attn_cost=0.0)
+        check_plan(records, plan, 400)
+        assert max(n for mb in plan for n in mb.rows) >= 3
+        for mb in plan:
+            tb = pack(mb)
+            h = tr.model.model(**model_inputs(tb, "sdpa", "auto", torch.float64)).last_hidden_state
+            out = chunked_logprobs(h[tb.hidden_rows, tb.pred_cols], tr.model.lm_head.weight, tb.targets,
+                                   temperature=tb.temperature, cand_kind=kind,
+                                   cand_offsets=tb.cand_offsets if kind != "none" else None,
+                                   cand_ids=tb.cand_ids if kind != "none" else None, chunk_size=7)
+            for i, (a, e, c) in _per_record(mb.records, out.logprobs, out.entropy, out.cand_logprobs).items():
+                for got, exp in zip((a, e, c), want[i], strict=True):
+                    torch.testing.assert_close(got, exp, rtol=0, atol=1e-10)

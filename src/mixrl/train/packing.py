@@ -111,28 +111,28 @@ def micro_batches(records: list[Record], budget: int | None, *, packed: bool, on
         return out + [MicroBatch([records[i] for i in row], [len(row)], sum(lens[i] for i in row))
                       for row in rows]  # no padding
     cost = ATTN_COST if attn_cost is None else attn_cost
-    best, best_cost, worse = None, float("inf"), 0
+    best, best_cost, best_cap = [], float("inf"), 0
     for cap in row_caps(lens, budget):
+        if best and cap > 2 * best_cap:
+            # rows twice the best length already let any two of its rows share one; longer
+            # rows can remove only that plan's (small) padding while attention keeps growing
+            break
         plan = pack_rows(records, lens, cap, budget)
         c = plan_cost(plan, cost)
         if c < best_cost:  # ties: the shorter cap (tried first)
-            best, best_cost, worse = plan, c, 0
-        else:  # attention grows with the cap while padding only falls: stop once past the minimum
-            worse += 1
-            if worse == 4:
-                break
-    assert best is not None
+            best, best_cost, best_cap = plan, c, cap
     return best
 
 
 # Relative cost of one (query, key) pair of a dense-mask attention against one token's
-# pass through the rest of a layer, on CPU. FLOPs alone give 4*H*hd per pair against
-# 2*(d*(2*H + 2*K)*hd + 3*d*ff) per token (1/768 for the bundled policy); measured with
-# SDPA and a bool mask (fwd+bwd of the bundled policy, 4,096 tokens in rows of 48..1,536,
-# one thread) the time per token grows as 1 + C/320: the mask and softmax are
-# memory-bound, about 2.4 times the FLOP ratio. CPU_MASK_FACTOR is that factor.
-CPU_MASK_FACTOR = 2.4
-ATTN_COST = 1 / 320
+# pass through the rest of a layer (forward and backward alike). FLOPs give 4*H*hd per
+# pair (QK^T and PV over all C^2 pairs: a dense mask skips none) against
+# 2*(d*(2*H + 2*K)*hd + 3*d*ff) per token: 1/768 for the bundled policy. Measured on this
+# project's 2-core CPU (SDPA, bool mask, fwd+bwd of the bundled policy, 3,072 tokens in rows
+# of 48..768, variants interleaved, one thread, twice) the time per token grows as
+# 1 + C/665 .. 1 + C/730: the FLOP ratio times ~1.1 (mask and softmax traffic).
+CPU_MASK_FACTOR = 1.1
+ATTN_COST = CPU_MASK_FACTOR / 768  # the bundled policy's; attn_pair_cost(config) for others
 
 
 def attn_pair_cost(config: Any) -> float:
@@ -149,12 +149,12 @@ def attn_pair_cost(config: Any) -> float:
 
 
 def row_caps(lens: list[int], budget: int | None) -> list[int]:
-    """Row lengths worth trying: the longest trajectory, then up to the budget by ~1.25x steps."""
+    """Row lengths worth trying: the longest trajectory, then up to the budget by ~1.1x steps."""
     hi = sum(lens) if budget is None else min(budget, sum(lens))
     cap = min(max(lens), hi)
     caps = [cap]
     while cap < hi:
-        cap = min(hi, max(cap + 1, int(cap * 1.25)))
+        cap = min(hi, max(cap + 1, int(cap * 1.1)))
         caps.append(cap)
     return caps
 
