@@ -113,7 +113,8 @@ def test_worker_killed_without_retries_gives_infra_failures_never_reward_0(tiny_
     print(f"killed holding {killed['inflight']} requests; {len(failed)} episodes infra_failed (reward None)")
 
 
-def test_killed_trainer_rank_stops_with_a_resumable_checkpoint(tiny_policy: Path, tmp_path: Path) -> None:
+def test_killed_trainer_rank_stops_with_a_resumable_checkpoint(tiny_policy: Path, tmp_path: Path,
+                                                               capfd: pytest.CaptureFixture[str]) -> None:
     from mixrl.runtime.ranks import RankFailure
     from mixrl.train.checkpoint import load_latest
 
@@ -145,6 +146,7 @@ def test_killed_trainer_rank_stops_with_a_resumable_checkpoint(tiny_policy: Path
     saved = int(ck["orchestrator"]["step"])
     # the newest complete checkpoint: the kill's step, or the one before when it hit the save itself
     assert saved in (at["step"] - 1, at["step"]) and saved >= 1
+    assert f"continue from its newest checkpoint (step {saved}) with --resume {tmp_path}" in capfd.readouterr().err
     s = _bounded(lambda: train(cfg, resume=True, evaluate=False), 900)
     assert s["steps"] == 5 and not s["interrupted"]
     assert_complete_and_unique(tmp_path, 5)  # nothing lost or trained twice across the failure

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 import time
 from typing import Any
 
@@ -44,6 +45,7 @@ from mixrl.rollout.advantages import batch_advantages
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.runtime import batch as batchlib
 from mixrl.runtime.handles import Backend, TrainerHandle
+from mixrl.runtime.ranks import RankFailure
 from mixrl.runtime.sessions import Sessions, task_from_dict
 from mixrl.sampling.base import SamplingParams
 
@@ -79,6 +81,7 @@ class Orchestrator:
         self.history: list[dict[str, float]] = []
         self.timers = {"wait_s": 0.0, "train_s": 0.0, "publish_s": 0.0, "elapsed_s": 0.0}
         self.samples = 0  # trajectories trained on
+        self.checkpointed: int | None = None  # step of the newest checkpoint this process wrote
         self._version = 0  # the trainer's newest published version (admission reads it)
         self._event = asyncio.Event()
         self.trainer: TrainerHandle
@@ -133,6 +136,7 @@ class Orchestrator:
             from mixrl.runtime.checkpointing import restore
 
             restore(self, self.resume)
+            self.checkpointed = self.step
 
     # ------------------------------------------------------------------ prompts
     def _on_complete(self, prompt_id: str) -> None:
@@ -239,6 +243,12 @@ class Orchestrator:
                     interrupted = True
                     break
             await self.checkpoint()
+        except RankFailure:
+            # the trainer's state died with the rank: the newest checkpoint is where the run continues
+            where = (f"continue from its newest checkpoint (step {self.checkpointed}) with --resume "
+                     f"{self.cfg.observe.run_dir}" if self.checkpointed is not None else "no checkpoint was written")
+            print(f"the trainer failed at step {self.step}; {where}", file=sys.stderr, flush=True)
+            raise
         finally:
             if scaler is not None:
                 scaler.cancel()
@@ -287,7 +297,8 @@ class Orchestrator:
     async def checkpoint(self) -> None:
         from mixrl.runtime.checkpointing import save
 
-        await save(self)
+        if await save(self) is not None:
+            self.checkpointed = self.step
 
     def summary(self, interrupted: bool) -> dict[str, Any]:
         el = max(self.timers["elapsed_s"], 1e-9)
