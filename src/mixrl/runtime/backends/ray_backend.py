@@ -4,10 +4,17 @@ This is the only module that imports Ray. The orchestrator is the same as
 in-process; only the handles differ:
 
 - a sampler replica is an async actor holding an engine behind a
-  ``BatchingSampler`` (its own process, its own quantized weights);
+  ``BatchingSampler`` (its own process);
 - the trainer is an actor; ``weights()`` returns an object reference to the
   state dict *in the object store*: the trainer writes each version once and
   every replica reads it from there (the driver never copies the weights);
+- quantization once per (version, format) (``FormatRefs``): for a format the
+  built-in engine can take pre-quantized (``embedded.formats.format_key``), the
+  first replica of the format to load a version quantizes it in its actor
+  (``quantize``, with the group's own weight hook); the result is one more
+  object, and every replica of the format loads base + that object, running its
+  engine with the weight format switched off (bit-identical to quantizing on
+  load);
 - a dead actor (``ray.kill``, a crashed process) raises ``RayActorError``,
   which the handle turns into ``ReplicaFailure`` so the fleet's failover path
   takes over.
@@ -51,6 +58,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from mixrl.config.run import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.rollout.types import Trajectory
+from mixrl.runtime.backends.format_refs import FormatRefs
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
 
@@ -93,7 +101,8 @@ async def _placed(bundles: list[dict[str, float]], strategy: str, what: str) -> 
 
 @ray.remote(**_ACTOR_OPTS)
 class SamplerActor:
-    def __init__(self, model_path: str, profile: Any, group: str, seed: int, threads: int) -> None:
+    def __init__(self, model_path: str, profile: Any, group: str, seed: int, threads: int,
+                 quant_profile: Any = None) -> None:
         import torch
 
         from mixrl.sampling.batching import BatchingSampler
@@ -101,12 +110,29 @@ class SamplerActor:
 
         torch.set_num_threads(threads)
         self.sampler = BatchingSampler(make_engine(model_path, profile, group, seed=seed))
+        self.quant_profile = quant_profile  # this group's format, if pre-quantized
+        self._quantize: Any = None
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         return await self.sampler.generate(request)
 
-    async def load_weights(self, state_dict: Any, version: int) -> None:
-        await self.sampler.load_weights(state_dict, version)
+    async def quantize(self, state_dict: Any) -> dict[str, Any]:
+        """The tensors this group's format changes in one version (the version's one
+        quantization into the format; its result goes to the object store for every
+        replica of the format)."""
+        if self._quantize is None:
+            from mixrl.runtime.backends.embedded.formats import quantizer
+
+            self._quantize = quantizer(self.quant_profile)
+        q = self._quantize
+
+        def run() -> dict[str, Any]:
+            return {k: t for k, t in ((k, q(k, v)) for k, v in state_dict.items()) if t is not None}
+
+        return await asyncio.to_thread(run)  # generation goes on meanwhile
+
+    async def load_weights(self, state_dict: Any, version: int, quantized: Any = None) -> None:
+        await self.sampler.load_weights({**state_dict, **quantized} if quantized else state_dict, version)
 
     def pid(self) -> int:
         return os.getpid()
@@ -285,8 +311,10 @@ def _replica_error(e: BaseException, name: str) -> BaseException:
 
 
 class RaySampler(SamplerHandle):
-    def __init__(self, name: str, group: str, actor: Any, pg: Any = None):
+    def __init__(self, name: str, group: str, actor: Any, pg: Any = None, fmt: str | None = None,
+                 formats: FormatRefs | None = None):
         self.name, self.group, self.actor, self.pg = name, group, actor, pg
+        self.fmt, self.formats = fmt, formats if formats is not None else FormatRefs()
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         try:
@@ -296,8 +324,22 @@ class RaySampler(SamplerHandle):
 
     async def load_weights(self, ref: Any, version: int) -> None:
         try:
-            await self.actor.load_weights.remote(ref, version)  # Ray resolves ref in the actor
+            if self.fmt is None:
+                await self.actor.load_weights.remote(ref, version)  # Ray resolves ref in the actor
+                return
+            q, mine = self.formats.claim(version, self.fmt, lambda: self.actor.quantize.remote(ref))
+            try:
+                await self.actor.load_weights.remote(ref, version, q)
+            except RayTaskError:
+                if mine:
+                    raise
+                # the replica that quantized died or failed: build this version's format here
+                self.formats.drop(version, self.fmt, q)
+                q, _ = self.formats.claim(version, self.fmt, lambda: self.actor.quantize.remote(ref))
+                await self.actor.load_weights.remote(ref, version, q)
         except (RayActorError, RayTaskError) as e:
+            if self.fmt is not None:
+                self.formats.drop(version, self.fmt, self.formats.refs.get((version, self.fmt)))
             raise _replica_error(e, self.name) from e
 
     async def close(self) -> None:
@@ -344,6 +386,15 @@ class RayBackend(Backend):
         self.samplers: dict[str, RaySampler] = {}
         self.trainer: Any = None
         self._started_here = False
+        self.formats = FormatRefs()  # one quantization per (version, format), in the object store
+        self._tied: bool | None = None
+
+    def _is_tied(self) -> bool:
+        if self._tied is None:
+            from transformers import AutoConfig
+
+            self._tied = bool(getattr(AutoConfig.from_pretrained(self.model_path), "tie_word_embeddings", False))
+        return self._tied
 
     async def start(self) -> None:
         if ray.is_initialized():
@@ -393,14 +444,17 @@ class RayBackend(Backend):
         return self.trainer
 
     async def make_sampler(self, group: str, name: str) -> SamplerHandle:
+        from mixrl.runtime.backends.embedded.formats import format_key, serving_profile
         from mixrl.runtime.backends.inprocess import group_profile, replica_seed
 
         prof = group_profile(self.cfg, group)
+        fmt = format_key(prof, self._is_tied())  # None: the engine quantizes on load itself
         g = next(x for x in self.cfg.fleet.groups if x.name == group)
         b = bundle(g.num_cpus, g.num_gpus, g.memory_gb, g.accelerator_type)
         pg = await _placed([b], "STRICT_PACK", f"mixrl-{name}")
         actor = SamplerActor.options(**_actor_options(pg, 0, b)).remote(  # type: ignore[attr-defined]
-            self.model_path, prof, group, replica_seed(self.cfg.runtime.seed, name), self.cfg.runtime.torch_threads
+            self.model_path, serving_profile(prof, fmt), group, replica_seed(self.cfg.runtime.seed, name),
+            self.cfg.runtime.torch_threads, prof if fmt is not None else None,
         )
         try:
             await actor.pid.remote()
@@ -408,7 +462,7 @@ class RayBackend(Backend):
             if pg is not None:
                 remove_placement_group(pg)
             raise ReplicaFailure(f"replica {name} could not start: {e}") from e
-        h = RaySampler(name, group, actor, pg)
+        h = RaySampler(name, group, actor, pg, fmt, self.formats)
         self.samplers[name] = h
         return h
 
