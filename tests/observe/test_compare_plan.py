@@ -1,0 +1,53 @@
+"""``mixrl compare`` plans arm x fleet x seed runs; reference arms fix their own numerics."""
+
+import argparse
+import tomllib
+
+from mixrl.observe import compare
+
+
+def _args(tmp_path, *argv):
+    p = argparse.ArgumentParser()
+    compare.configure(p)
+    return p.parse_args([*argv, "--out", str(tmp_path), "--dry-run"])
+
+
+def _cfg(tmp_path, fleet, arm, seed):
+    return tomllib.loads((tmp_path / "configs" / fleet / arm / f"seed{seed}.toml").read_text())
+
+
+def test_plan_runs_every_cell_and_seed(tmp_path):
+    args = _args(tmp_path, "--arms", "grpo,on-policy,fp16", "--fleets", "mixed,stress", "--seeds", "2",
+                 "--steps", "3", "--eval-tasks", "8", "--eval-n", "16")
+    runs = compare.plan(args)
+    names = [(f, a, d.name) for f, a, d in runs]
+    assert names == [(f, a, f"seed{s}") for s in range(2) for f, a in
+                     [("mixed", "grpo"), ("stress", "grpo"), ("reference", "on-policy"), ("reference", "fp16")]]
+    assert compare.main(args) == 0
+    base_seed = _cfg(tmp_path, "mixed", "grpo", 0)["runtime"]["seed"]
+    assert _cfg(tmp_path, "mixed", "grpo", 1)["runtime"]["seed"] == base_seed + 1
+    first, other = _cfg(tmp_path, "mixed", "grpo", 0), _cfg(tmp_path, "stress", "grpo", 0)
+    assert first["runtime"]["eval"]["base"] is True and other["runtime"]["eval"]["base"] is False
+    assert first["runtime"]["eval"]["n"] == 16 and first["runtime"]["eval"]["n_tasks"] == 8
+    assert first["runtime"]["steps"] == 3 and first["loss"]["preset"] == "grpo"
+    stress = [g["profile"] for g in other["fleet"]["groups"]]
+    assert stress == list(compare.STRESS_PROFILES)
+    on = _cfg(tmp_path, "reference", "on-policy", 0)
+    assert on["runtime"]["mode"] == "sync" and on["optim"]["precision"] == "fp32"
+    assert [g["profile"] for g in on["fleet"]["groups"]] == ["fp32"]
+    assert on["fleet"]["groups"][0]["overrides"] == {}  # the trainer's numerics, nothing overridden
+    fp16 = _cfg(tmp_path, "reference", "fp16", 1)
+    assert fp16["optim"]["precision"] == "fp16" and fp16["fleet"]["groups"][0]["profile"] == "fp16"
+    mixed_replicas = sum(g["replicas"] for g in first["fleet"]["groups"])
+    assert fp16["fleet"]["groups"][0]["replicas"] == mixed_replicas
+
+
+def test_budgets_and_bad_input(tmp_path, capsys):
+    full = compare.settings(_args(tmp_path, "--budget", "full"))
+    assert full["seeds"] == 3 and set(full["arms"]) == set(compare.ARMS)
+    assert set(full["fleets"]) == {"mixed", "homogeneous", "stress"}
+    default = compare.settings(_args(tmp_path))
+    assert default["seeds"] == 3 and set(default["fleets"]) == {"mixed", "stress"}
+    assert compare.main(_args(tmp_path, "--seeds", "0")) == 2
+    assert "--seeds must be >= 1" in capsys.readouterr().err
+    assert compare.main(_args(tmp_path, "--fleets", "moon")) == 2
