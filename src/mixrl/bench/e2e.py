@@ -16,7 +16,8 @@ Three measurements in one invocation, all on the bundled policy:
 3. **weight publication**: from publish to every replica serving the new
    version, on an idle fleet of worker processes (the demo's four groups, and
    one BF16 replica): the version written once into shared memory, quantized
-   once per format, mapped by every replica. Against the floor, one state-dict
+   once per format (by the first worker process of that format, so the
+   formats are built in parallel), mapped by every replica. Against the floor, one state-dict
    copy plus one quantization per format in the fleet: ``publish_over_floor``
    (goal <= 1.5); ``publish_over_copy`` is kept for comparison with older runs.
    The JSON also gives each replica's own load time (``engine_load_s``).
@@ -101,8 +102,8 @@ def measure_publish(base: list[str], model_path: str, groups: list[str] | None, 
     ``groups``: the demo's groups to keep (None = all); each gets one replica, a
     worker process of the embedded backend. One publication is what a run does:
     the trainer's state dict written once into shared memory, one quantization per
-    format the fleet has (the first replica of a format to ask pays for it), every
-    replica mapping the result. The floor is one state-dict copy plus, per distinct
+    format the fleet has (in the worker process of the first replica of that format
+    to ask), every replica mapping the result. The floor is one state-dict copy plus, per distinct
     format, one quantization of the version (measured alone, same functions).
     """
     import asyncio
