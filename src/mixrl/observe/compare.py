@@ -36,8 +36,9 @@ REFERENCE_FLEET = "reference"  # where the arms with their own numerics run
 HOMOGENEOUS_PROFILE = "b200-bf16"
 STRESS_PROFILES = ("stress-b200-nvfp4", "stress-b300-mxfp4", "stress-h100-fp8")
 
-# What each budget runs. "default" fits 60 minutes on 2 cores (measured, docs/study.md);
-# "full" is the whole study. --arms/--fleets/--seeds/--steps/--eval-* override a budget.
+# What each budget runs. "default" is sized to fit 60 minutes on 2 quiet cores (projected
+# from a measured tiny study, docs/study.md); "full" is the whole study (~5 h projected).
+# --arms/--fleets/--seeds/--steps/--eval-* override a budget.
 BUDGETS: dict[str, dict[str, object]] = {
     "default": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": ("mixed", "stress"),
                 "seeds": 3, "steps": 30, "eval_tasks": 48, "eval_n": 16},
