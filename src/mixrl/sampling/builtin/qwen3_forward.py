@@ -3,10 +3,12 @@
 Math of ``transformers``' Qwen3 (arXiv 2505.09388): pre-norm decoder layers,
 RMSNorm, per-head RMSNorm on q and k before RoPE, grouped-query attention,
 SwiGLU MLP, tied or untied ``lm_head``. The *kernels* are ours on purpose:
-fused qkv and gate/up matmuls with weights prepacked for oneDNN
-(``linear.py``), a preallocated cache written one step at a time,
-RoPE from a precomputed table, so that a sampler differs from the trainer's
-full-sequence HF forward the way a real inference engine does.
+a fused qkv matmul with weights prepacked for oneDNN (``linear.py``), the
+SwiGLU activation and product and both residual adds fused into GEMM
+epilogues, the attention scale folded into the q-norm weights, a preallocated
+cache written in place one step at a time, RoPE from a precomputed table, so
+that a sampler differs from the trainer's full-sequence HF forward the way a
+real inference engine does.
 
 Weights are fake-quantized once on load (``Precision.weight``) per HF Linear —
 q, k, v, o, gate, up, down separately, so per-tensor scales are the same as
@@ -86,10 +88,11 @@ class Shape:
 class Layer:
     ln1: torch.Tensor  # [H]
     ln2: torch.Tensor  # [H]
-    qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm for each query head, then k_norm per kv head
+    qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm * D^-0.5 per query head, then k_norm per kv head
     qkv: PackedLinear  # [(Hq + 2 Hkv) D, H] (+ bias when config.attention_bias)
     o: PackedLinear  # [H, Hq D]
-    gate_up: PackedLinear  # [2 I, H]
+    gate: PackedLinear  # [I, H]
+    up: PackedLinear  # [I, H]
     down: PackedLinear  # [H, I]
 
 
@@ -142,15 +145,15 @@ def build_weights(
             Layer(
                 ln1=get(p + "input_layernorm.weight").to(dt),
                 ln2=get(p + "post_attention_layernorm.weight").to(dt),
+                # the attention scale rides on q's norm weight (RoPE is linear): no pass over scores
                 qk_norm=torch.cat([
-                    get(a + "q_norm.weight").expand(shape.heads, -1),
+                    (get(a + "q_norm.weight") * shape.head_dim**-0.5).expand(shape.heads, -1),
                     get(a + "k_norm.weight").expand(shape.kv_heads, -1),
                 ]).to(dt),  # fmt: skip
                 qkv=PackedLinear(torch.cat([lin(a + f"{n}_proj.weight") for n in "qkv"]), b_qkv, batch_hint),
                 o=PackedLinear(lin(a + "o_proj.weight"), b_o, batch_hint),
-                gate_up=PackedLinear(
-                    torch.cat([lin(p + "mlp.gate_proj.weight"), lin(p + "mlp.up_proj.weight")]), None, batch_hint
-                ),
+                gate=PackedLinear(lin(p + "mlp.gate_proj.weight"), None, batch_hint),
+                up=PackedLinear(lin(p + "mlp.up_proj.weight"), None, batch_hint),
                 down=PackedLinear(lin(p + "mlp.down_proj.weight"), None, batch_hint),
             )
         )
@@ -195,15 +198,14 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + torch.cat([x2, x1], dim=-1) * sin
 
 
-def _linear(x: torch.Tensor, lin: PackedLinear, prec: Precision) -> torch.Tensor:
-    if prec.act is not None:
-        x = prec.act(x)
-    return lin(x)
+def _act(x: torch.Tensor, prec: Precision) -> torch.Tensor:
+    """A Linear's input in the profile's activation format (identity when off)."""
+    return x if prec.act is None else prec.act(x)
 
 
 def _decode_attention(
-    q: torch.Tensor,  # [B, 1, Hq, D] one query per row
-    kt: torch.Tensor,  # [B, Hkv, D, S] cached keys, transposed (a prefix view of the cache)
+    q: torch.Tensor,  # [B, 1, Hq, D] one query per row, already scaled by D^-0.5
+    k: torch.Tensor,  # [B, Hkv, S, D] cached keys (a prefix view of the cache)
     v: torch.Tensor,  # [B, Hkv, S, D]
     bias: torch.Tensor | None,  # [B, 1, 1, S] additive: 0 or -inf (left padding); None = no padding
 ) -> torch.Tensor:
@@ -212,10 +214,11 @@ def _decode_attention(
     materializing repeated keys. Scores in the compute dtype, softmax in fp32, as
     HF's eager path."""
     B, _, Hq, D = q.shape
-    Hkv = kt.shape[1]
+    Hkv = k.shape[1]
     qg = q.view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
-    s = torch.matmul(qg, kt)  # [B, Hkv, G, S]
-    s = s.mul_(D**-0.5) if bias is None else torch.add(bias, s, alpha=D**-0.5)  # bias + s / sqrt(D)
+    s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G, S]
+    if bias is not None:
+        s.add_(bias)
     p = torch.softmax(s, dim=-1, dtype=torch.float32).to(v.dtype)
     return torch.matmul(p, v).view(B, 1, Hq * D)  # [B, Hkv, G, D] -> [B, 1, Hq D]
 
@@ -243,23 +246,22 @@ def forward(
     end = col0 + T
     for li, L in enumerate(w.layers):
         h = rms_norm(x, L.ln1, shape.eps)
-        qkv = _linear(h, L.qkv, prec)  # [B, T, (Hq + 2 Hkv) D]
+        qkv = L.qkv(_act(h, prec))  # [B, T, (Hq + 2 Hkv) D]
         heads = qkv.view(B, T, Hq + 2 * Hkv, D)
         # q and k heads normed and rotated together (per-head weights), v untouched
         qk = _rope(rms_norm(heads[:, :, : Hq + Hkv], L.qk_norm, shape.eps), cos, sin)
         q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], heads[:, :, Hq + Hkv :]  # [B, T, h, D]
         keys, vals = cache.write(li, col0, k.transpose(1, 2), v.transpose(1, 2))
         if T == 1:  # decode: grouped heads share their kv head, no repeat (see _decode_attention)
-            a = _decode_attention(q, keys[..., :end], vals[:, :, :end], mask)  # [B, 1, Hq D]
+            a = _decode_attention(q, keys[:, :, :end], vals[:, :, :end], mask)  # [B, 1, Hq D]
         else:
             a = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys[..., :end].transpose(-1, -2), vals[:, :, :end],
-                attn_mask=mask, enable_gqa=Hq != Hkv,
+                q.transpose(1, 2), keys[:, :, :end], vals[:, :, :end],
+                attn_mask=mask, enable_gqa=Hq != Hkv, scale=1.0,  # q carries the scale
             ).transpose(1, 2).reshape(B, T, Hq * D)  # [B, T, Hq D]
-        x = x + _linear(a, L.o, prec)
-        h = rms_norm(x, L.ln2, shape.eps)
-        g, u = _linear(h, L.gate_up, prec).chunk(2, dim=-1)  # [B, T, I] each
-        x = x + _linear(F.silu(g) * u, L.down, prec)
+        x = L.o.plus(_act(a, prec), x)  # x + o(a)
+        h = _act(rms_norm(x, L.ln2, shape.eps), prec)
+        x = L.down.plus(_act(L.up.times(h, L.gate.silu(h)), prec), x)  # x + down(silu(gate(h)) * up(h))
     return rms_norm(x[:, -1], w.norm, shape.eps)  # [B, H]
 
 
