@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from mixrl import numerics
-from mixrl.numerics.kv_static import calibrate_kv_scale, calibration_amax, kv_hook, quantize_kv_static
+from mixrl.numerics.kv_static import (
+    calibrate_kv_scale,
+    calibration_amax,
+    kv_hook,
+    quantize_kv_static,
+)
 from mixrl.sampling.builtin.precision import from_profile
 from mixrl.sampling.profiles import get_profile, load_profiles, with_overrides
 
@@ -135,4 +140,4 @@ def test_engine_static_kv_changes_logprobs(bundled) -> None:
         out[tag] = eng.generate_batch(req)[0]
     a, b = out["dyn"], out["static"]
     n = min(len(a.logprobs), len(b.logprobs))
-    assert n > 0 and any(abs(x - y) > 1e-6 for x, y in zip(a.logprobs[:n], b.logprobs[:n]))
+    assert n > 0 and any(abs(x - y) > 1e-6 for x, y in zip(a.logprobs[:n], b.logprobs[:n], strict=True))

@@ -15,7 +15,7 @@ def _traj(mask, status="ok", reward=1.0):
 def reply_spans_ref(mask):  # brute force: a span starts where a 1 follows a 0 (or the start)
     starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]
     ends = [i + 1 for i, m in enumerate(mask) if m and (i == len(mask) - 1 or not mask[i + 1])]
-    return list(zip(starts, ends))
+    return list(zip(starts, ends, strict=True))
 
 
 def test_reply_spans_match_brute_force():

@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 
 from mixrl.observe.stats import (
-    NOT_DISTINGUISHABLE, Interval, bootstrap_mean_diff, bootstrap_passk_diff, diff_draws,
-    hard_tasks, passk_matrix, verdict_of,
+    NOT_DISTINGUISHABLE,
+    Interval,
+    bootstrap_mean_diff,
+    bootstrap_passk_diff,
+    diff_draws,
+    hard_tasks,
+    passk_matrix,
+    verdict_of,
 )
 
 
@@ -32,11 +38,12 @@ def test_passk_matrix_matches_comb():
 def test_every_replicate_equals_loops():
     ma, mb = passk_matrix(A, TASKS, 4), passk_matrix(B, TASKS, 4)
     reps, ti, ai, bi = diff_draws(ma, mb, 64, seed=3)
+    def arm(tables, seeds, tasks):
+        return sum(sum(_pk(*tables[s][TASKS[t]], 4) for t in tasks) / len(tasks)
+                   for s in seeds) / len(seeds)
+
     for b in range(64):
-        def arm(tables, seeds):
-            return sum(sum(_pk(*tables[s][TASKS[t]], 4) for t in ti[b]) / len(ti[b])
-                       for s in seeds) / len(seeds)
-        assert reps[b] == pytest.approx(arm(A, ai[b]) - arm(B, bi[b]), abs=1e-12)
+        assert reps[b] == pytest.approx(arm(A, ai[b], ti[b]) - arm(B, bi[b], ti[b]), abs=1e-12)
 
 
 def test_distribution_matches_exhaustive_enumeration():

@@ -84,11 +84,19 @@ def calibration_amax(model: Any, prompts: Sequence[Sequence[int]]) -> float:
     return amax
 
 
-def calibrate_kv_scale(model: Any, prompts: Sequence[Sequence[int]], fmt: str = "fp8_e4m3") -> float:
+def calibrate_kv_scale(
+    model: Any, prompts: Sequence[Sequence[int]], fmt: str = "fp8_e4m3"
+) -> float:
     """One FP32 scale for the whole KV cache: calibration amax / the format's fmax."""
     fmax = torch.finfo(_element(fmt)).max
     amax = calibration_amax(model, prompts)
     return amax / fmax if amax > 0 else 1.0
 
 
-__all__ = ["STATIC_KV_FORMATS", "quantize_kv_static", "kv_hook", "calibration_amax", "calibrate_kv_scale"]
+__all__ = [
+    "STATIC_KV_FORMATS",
+    "quantize_kv_static",
+    "kv_hook",
+    "calibration_amax",
+    "calibrate_kv_scale",
+]

@@ -30,7 +30,11 @@ from typing import Any
 from mixrl.observe.plots import group_stats, kl_key
 from mixrl.observe.runs import Run
 from mixrl.observe.stats import (
-    NOT_DISTINGUISHABLE, Interval, bootstrap_mean_diff, bootstrap_passk_diff, bootstrap_passk_mean,
+    NOT_DISTINGUISHABLE,
+    Interval,
+    bootstrap_mean_diff,
+    bootstrap_passk_diff,
+    bootstrap_passk_mean,
     hard_tasks,
 )
 

@@ -45,8 +45,10 @@ class Interval:
         return not (self.lo > 0 or self.hi < 0)
 
     def __str__(self) -> str:
-        return (f"{self.estimate:+.3f} [{self.lo:+.3f}, {self.hi:+.3f}] "
-                f"({self.level:.0%} bootstrap over {self.what}, B={self.replicates})")
+        return (
+            f"{self.estimate:+.3f} [{self.lo:+.3f}, {self.hi:+.3f}] "
+            f"({self.level:.0%} bootstrap over {self.what}, B={self.replicates})"
+        )
 
 
 def verdict_of(iv: Interval | None) -> str:
@@ -58,7 +60,9 @@ def verdict_of(iv: Interval | None) -> str:
     return "higher" if iv.lo > 0 else "lower"
 
 
-def passk_matrix(per_seed: Sequence[dict[str, Sequence[int]]], tasks: Sequence[str], k: int) -> np.ndarray:
+def passk_matrix(
+    per_seed: Sequence[dict[str, Sequence[int]]], tasks: Sequence[str], k: int
+) -> np.ndarray:
     """[S, T] float64 pass@k of each seed on each task (tasks absent from a seed: NaN)."""
     out = np.full((len(per_seed), len(tasks)), np.nan, dtype=np.float64)
     for s, table in enumerate(per_seed):
@@ -97,8 +101,14 @@ def diff_draws(
 
 
 def bootstrap_passk_diff(
-    a: Sequence[dict[str, Sequence[int]]], b: Sequence[dict[str, Sequence[int]]], k: int, *,
-    tasks: Sequence[str] | None = None, draws: int = 2000, level: float = 0.95, seed: int = 0,
+    a: Sequence[dict[str, Sequence[int]]],
+    b: Sequence[dict[str, Sequence[int]]],
+    k: int,
+    *,
+    tasks: Sequence[str] | None = None,
+    draws: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
 ) -> Interval | None:
     """pass@k(A) − pass@k(B) with a bootstrap interval over seeds and (paired) tasks.
 
@@ -123,8 +133,12 @@ def bootstrap_passk_diff(
 
 
 def bootstrap_mean_diff(
-    a: Sequence[float], b: Sequence[float] | None = None, *,
-    draws: int = 2000, level: float = 0.95, seed: int = 0,
+    a: Sequence[float],
+    b: Sequence[float] | None = None,
+    *,
+    draws: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
 ) -> Interval | None:
     """mean(a) − mean(b) (or mean(a) alone) with a bootstrap interval over seeds."""
     xa = np.array([x for x in a if math.isfinite(x)], dtype=np.float64)
@@ -147,13 +161,27 @@ def hard_tasks(base: dict[str, Sequence[int]], threshold: float = 0.25) -> list[
     return sorted(t for t, (n, c) in base.items() if n > 0 and c / n < threshold)
 
 
-__all__ = ["Interval", "NOT_DISTINGUISHABLE", "verdict_of", "passk_matrix", "diff_draws", "bootstrap_passk_mean",
-           "bootstrap_passk_diff", "bootstrap_mean_diff", "hard_tasks"]
+__all__ = [
+    "Interval",
+    "NOT_DISTINGUISHABLE",
+    "verdict_of",
+    "passk_matrix",
+    "diff_draws",
+    "bootstrap_passk_mean",
+    "bootstrap_passk_diff",
+    "bootstrap_mean_diff",
+    "hard_tasks",
+]
 
 
 def bootstrap_passk_mean(
-    a: Sequence[dict[str, Sequence[int]]], k: int, *, tasks: Sequence[str] | None = None,
-    draws: int = 2000, level: float = 0.95, seed: int = 0,
+    a: Sequence[dict[str, Sequence[int]]],
+    k: int,
+    *,
+    tasks: Sequence[str] | None = None,
+    draws: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
 ) -> Interval | None:
     """pass@k of one arm with its interval over seeds and tasks (the difference from an
     arm that scores 0 on every task: the same resampling as ``bootstrap_passk_diff``)."""
