@@ -167,3 +167,36 @@ def test_idle_window_gathers_a_trickle_and_closes_after_a_quiet_gap(engine):
 def test_invalid_idle_window(engine):
     with pytest.raises(ValueError, match="idle_ms"):
         BatchingSampler(engine, idle_ms=-1)
+
+
+class _Slow:
+    """The real engine, as if its batches took ``delay`` seconds longer (a bigger model)."""
+
+    def __init__(self, engine, delay: float) -> None:
+        self.engine, self.delay, self.group = engine, delay, engine.group
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def generate_batch(self, requests):
+        import time
+
+        time.sleep(self.delay)
+        return self.engine.generate_batch(requests)
+
+
+def test_quiet_gap_grows_with_the_engines_batch_time(engine):
+    async def go(delay: float):
+        s = BatchingSampler(_Slow(engine, delay), max_batch=16, max_wait_ms=5000, idle_ms=10)
+        await s.generate(_req(0))  # one batch: its run time sets the gap
+        trickle = []
+        for i in range(4):  # 40 ms apart
+            trickle.append(asyncio.create_task(s.generate(_req(i))))
+            await asyncio.sleep(0.04)
+        out = await asyncio.gather(*trickle)
+        await s.close()
+        return [r.timings["sampler_batch"] for r in out]
+
+    assert asyncio.run(go(1.5)) == [4.0] * 4  # gap 150 ms: the trickle joins one batch
+    assert max(asyncio.run(go(0.0))) < 4.0  # gap 10 ms: it is split

@@ -47,10 +47,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=int, default=2, help="requests per conversation (>= 1)")
     parser.add_argument("--max-tokens", type=int, default=24, help="max_tokens of each request")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    parser.add_argument("--max-wait-ms", type=float, default=100.0,
+    parser.add_argument("--max-wait-ms", type=float, default=1000.0,
                         help="the sampler's longest batching window, the same in both arms")
-    parser.add_argument("--idle-ms", type=float, default=5.0,
-                        help="a batch closes once no request came for this long (the same in both arms)")
+    parser.add_argument("--idle-ms", type=float, default=10.0,
+                        help="a batch closes once no request came for this long or a tenth of the last "
+                             "batch's time (the same in both arms)")
     parser.add_argument("--long-model", default="random:256x4",
                         help='second workload: "random:HIDDENxLAYERS", an HF directory, or "none"')
     parser.add_argument("--long-max-tokens", type=int, default=64, help="max_tokens of the second workload")
@@ -145,11 +146,13 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[s
 
     core = ServeCore(chat, generate, model="policy", max_total_tokens=4096, default_max_tokens=args.max_tokens)
     await core.chat_completion({"messages": [{"role": "user", "content": "warm-up"}], "max_tokens": 1}, None)
+    before = sampler.batches
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(make_app(core, api_key="bench"), host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False, lifespan="off"))
+                                           log_level="warning", access_log=False, lifespan="off",
+                                           timeout_keep_alive=300))  # the clients connect before the timing
     server.install_signal_handlers = lambda: None
     task = asyncio.ensure_future(server.serve())
     while not server.started:
@@ -167,6 +170,7 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[s
             if proc.returncode:
                 raise RuntimeError(f"the client process exited with {proc.returncode}")
             out = json.loads(stdout.decode().strip().splitlines()[-1])
+        out["engine_batches"] = sampler.batches - before  # the warm-up request not counted
         out["history_rewrites"] = core.sessions.history_rewrites
         out["client"] = "in-process" if args.client_in_process else "separate process"
         return out
@@ -220,7 +224,7 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
     for name, arm in (("direct", _direct), ("endpoint", _endpoint), ("direct_again", _direct)):
         before, cpu = sampler.batches, time.process_time()  # batches: how well concurrent requests were gathered
         arms[name] = await arm(chat, sampler, args)
-        arms[name]["engine_batches"] = sampler.batches - before
+        arms[name].setdefault("engine_batches", sampler.batches - before)
         arms[name]["process_cpu_s"] = round(time.process_time() - cpu, 3)  # this process: engine, server, asyncio
     direct, endpoint, direct2 = arms["direct"], arms["endpoint"], arms["direct_again"]
     await sampler.close()
@@ -270,7 +274,9 @@ def main(args: argparse.Namespace) -> int:
         print("mixrl bench serve: --max-wait-ms and --idle-ms must be >= 0", flush=True)
         return 2
     try:
-        res = asyncio.run(_run(args))
+        from mixrl.serve.cli import _loop_runner
+
+        res = _loop_runner()(_run(args))  # the event loop ``mixrl serve`` runs on, for both arms
     except ValueError as e:
         if not str(e).startswith("--"):
             raise

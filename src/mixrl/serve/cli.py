@@ -76,7 +76,8 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
         prof = next(p for p in profiles if p.name == group)
         engine = await asyncio.to_thread(make_engine, str(path), prof, group, seed=abs(hash(name)) % (1 << 31),
                                          max_batch=64, num_threads=args.threads)
-        return _Replica(name, group, BatchingSampler(engine, max_batch=64, max_wait_ms=10))
+        # a burst of HTTP requests reaches the sampler one parse at a time: gather it (idle_ms)
+        return _Replica(name, group, BatchingSampler(engine, max_batch=64, max_wait_ms=500, idle_ms=5))
 
     groups = [GroupSpec(p.name, p.relative_throughput, args.replicas, args.replicas, args.replicas) for p in profiles]
     fleet = Fleet(groups, make_replica, WeightStore())
@@ -88,7 +89,7 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
     core = ServeCore(chat, fleet.generate, model=args.model, max_total_tokens=args.max_total_tokens,
                      default_max_tokens=args.max_tokens)
     config = uvicorn.Config(make_app(core, api_key=api_key), host=args.host, port=args.port,
-                            log_level="warning", access_log=False)
+                            log_level="warning", access_log=False, timeout_keep_alive=75)
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
     while not server.started and not task.done():
@@ -102,6 +103,16 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
         await task
     finally:
         await fleet.close()
+
+
+def _loop_runner() -> Any:
+    """``uvloop.run`` where uvloop is installed (``uvicorn[standard]``): a cheaper event loop per
+    HTTP request; else ``asyncio.run``."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run
 
 
 def main(args: argparse.Namespace) -> int:
@@ -129,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"mixrl serve: {e}".splitlines()[0], file=sys.stderr)
         return 2
     try:
-        asyncio.run(_serve(args, path, chat, profiles, api_key))
+        _loop_runner()(_serve(args, path, chat, profiles, api_key))
     except KeyboardInterrupt:
         return 0
     return 0

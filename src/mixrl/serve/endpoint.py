@@ -69,8 +69,10 @@ class InRunEndpoint:
         with socket.socket() as s:  # a free loopback port
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        # keep-alive longer than an agent's tool call: a connection the server closes while the
+        # agent sends its next request would fail that request (agents' clients do not retry)
         config = uvicorn.Config(make_app(core, api_key=api_key), host="127.0.0.1", port=port,
-                                log_level="warning", access_log=False, lifespan="off")
+                                log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=300)
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # the run owns Ctrl-C
         task = asyncio.ensure_future(server.serve())
