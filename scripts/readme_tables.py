@@ -64,6 +64,29 @@ def table_eval() -> str:
     return _table(["policy", "command", "pass@1", "pass@k", "tasks x samples", "weights digest", "machine"], rows)
 
 
+def wilson(p: float, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson interval of a success rate ``p`` over ``n`` independent trials."""
+    centre, half = p + z * z / (2 * n), z * ((p * (1 - p) + z * z / (4 * n)) / n) ** 0.5
+    return (centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n)
+
+
+def table_data() -> str:
+    """The "Train on your data" example: the base and the trained policy on its held-out rows."""
+    rows = []
+    for name, label in (("eval_arithmetic_base.json", "bundled policy (base)"),
+                        ("eval_arithmetic_final.json", "after `mixrl train examples/arithmetic/config.toml`")):
+        art = _load(name)
+        if art is None:
+            continue
+        r = art["result"]
+        # One sample per row: the rows are independent trials, so the binomial interval holds.
+        lo, hi = wilson(r["pass@1"], r["n_tasks"])
+        ci = f"{lo:.3f}-{hi:.3f}" if r.get("n") == 1 else "-"
+        rows.append([label, f"`{art['command']}`", _fmt(r.get("pass@1")), ci, f"{r.get('n_tasks')} x {r.get('n')}",
+                     str(r.get("weights_sha256") or "-")[:12], _machine(art["machine"])])
+    return _table(["policy", "command", "pass@1", "95% interval", "rows x samples", "weights digest", "machine"], rows)
+
+
 def table_bench() -> str:
     rows = []
     for path in sorted(ARTIFACTS.glob("bench_*.json")):
@@ -91,7 +114,7 @@ def table_probe() -> str:
     return f"`{art['command']}` on {_machine(art['machine'])}:\n\n{table}"
 
 
-TABLES: dict[str, Callable[[], str]] = {"eval": table_eval, "bench": table_bench, "probe": table_probe}
+TABLES: dict[str, Callable[[], str]] = {"eval": table_eval, "data": table_data, "bench": table_bench, "probe": table_probe}
 
 
 def render(text: str) -> str:
