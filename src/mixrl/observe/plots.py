@@ -197,7 +197,7 @@ def plot_timelines(runs: list[Run], out: Path, per_cell: int = 3) -> Path | None
     ax.set_ylim(len(rows), 0)
     ax.set_yticks([i + 0.45 for i in range(len(rows))], [name for name, _ in rows], fontsize=7)
     ax.set_xticks([j + 0.47 for j in range(width)], [f"turn {j + 1}" for j in range(width)])
-    ax.set_title("sampled episodes: one cell per assistant reply (number: tokens; red: empty reply)")
+    ax.set_title("sampled episodes: one cell per assistant reply\n(number: tokens; red: empty reply)", fontsize=9)
     fig.tight_layout()
     path = Path(out) / "timelines.png"
     fig.savefig(path, dpi=90)
