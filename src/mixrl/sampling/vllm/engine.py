@@ -69,6 +69,7 @@ from mixrl.sampling.vllm.weights import (
     eos_ids,
     is_moe,
     model_shape,
+    per_expert,
     prepared,
     prune_versions,
     read_checkpoint,
@@ -311,6 +312,7 @@ class VLLMEngine(Engine):
         """Take the trainer's weights (HF names, any dtype); vLLM quantizes them on load."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
+        state_dict = per_expert(state_dict, self._names)  # a MoE trainer's stacked experts
         check_names(state_dict, self._names, self.tied)
         t0 = time.perf_counter()
         if self.in_process and self.weights_dir is None:

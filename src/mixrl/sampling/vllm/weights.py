@@ -171,3 +171,34 @@ def prune_versions(root: str | Path, keep: int = 2) -> None:
 def is_moe(model_path: str) -> bool:
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     return bool(cfg.get("num_experts") or cfg.get("num_local_experts"))
+
+
+# transformers keeps a MoE layer's experts as two stacked tensors (``experts.gate_up_proj``
+# [E, 2I, H]: gate rows then up rows; ``experts.down_proj`` [E, H, I]); checkpoints, and
+# vLLM's loader, name one matrix per expert. Per-expert names for each stacked tensor:
+_EXPERT_NAMES = (
+    ("gate_proj", "up_proj", "down_proj"),
+    ("w1", "w3", "w2"),
+)  # Qwen/DeepSeek, Mixtral
+
+
+def per_expert(state_dict: Mapping[str, Any], expected: frozenset[str]) -> Mapping[str, Any]:
+    """The trainer's stacked expert tensors split into the checkpoint's per-expert names
+    (``expected``); every other tensor as it is. Without stacked experts: ``state_dict``."""
+    stacked = [n for n in state_dict if n.endswith((".experts.gate_up_proj", ".experts.down_proj"))]
+    if not stacked:
+        return state_dict
+    out = {n: t for n, t in state_dict.items() if n not in stacked}
+    for name in stacked:
+        prefix, kind = name.rsplit(".", 1)
+        t = state_dict[name]
+        gate, up, down = next(
+            (g for g in _EXPERT_NAMES if f"{prefix}.0.{g[0]}.weight" in expected), _EXPERT_NAMES[0]
+        )
+        for e in range(t.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{e}.{down}.weight"] = t[e]
+            else:
+                g, u = t[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.{gate}.weight"], out[f"{prefix}.{e}.{up}.weight"] = g, u
+    return out
