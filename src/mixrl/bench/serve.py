@@ -41,7 +41,8 @@ from typing import Any
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="bundled", help='"bundled" or an HF model directory')
+    parser.add_argument("--model", default="bundled",
+                        help='"bundled", an HF model directory, or "random:HIDDENxLAYERS" (random init)')
     parser.add_argument("--profile", default="fp32", help="sampler profile of the replica")
     parser.add_argument("--sessions", type=int, default=64, help="concurrent conversations (>= 1)")
     parser.add_argument("--turns", type=int, default=2, help="requests per conversation (>= 1)")
@@ -179,6 +180,17 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[s
         await task
 
 
+def _shape(spec: str) -> tuple[int, int]:
+    """(hidden, layers) of ``random:HIDDENxLAYERS``; ValueError naming the flag otherwise."""
+    try:
+        hidden, layers = (int(x) for x in spec.split(":", 1)[1].lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--model/--long-model {spec!r}: expected random:HIDDENxLAYERS, e.g. random:256x4") from None
+    if hidden < 32 or hidden % 32 or not 1 <= layers <= 64:
+        raise ValueError(f"--model/--long-model {spec!r}: HIDDEN must be a multiple of 32, LAYERS in [1, 64]")
+    return hidden, layers
+
+
 def _random_model(spec: str, into: str) -> str:
     """``random:HIDDENxLAYERS``: a randomly initialised Qwen3 on the bundled tokenizer, saved in ``into``."""
     import torch
@@ -187,12 +199,7 @@ def _random_model(spec: str, into: str) -> str:
     from mixrl.models.policy import qwen3_config
     from mixrl.models.tokenizer import save_tokenizer
 
-    try:
-        hidden, layers = (int(x) for x in spec.split(":", 1)[1].lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--long-model {spec!r}: expected random:HIDDENxLAYERS, e.g. random:256x4") from None
-    if hidden < 32 or hidden % 32 or not 1 <= layers <= 64:
-        raise ValueError(f"--long-model {spec!r}: HIDDEN must be a multiple of 32, LAYERS in [1, 64]")
+    hidden, layers = _shape(spec)
     tok = save_tokenizer(into)
     torch.manual_seed(0)
     cfg = qwen3_config(len(tok), layers=layers, hidden=hidden, heads=hidden // 32, kv_heads=1,
@@ -274,6 +281,9 @@ def main(args: argparse.Namespace) -> int:
         print("mixrl bench serve: --max-wait-ms and --idle-ms must be >= 0", flush=True)
         return 2
     try:
+        for spec in (args.model, args.long_model):
+            if spec.startswith("random:"):
+                _shape(spec)
         from mixrl.serve.cli import _loop_runner
 
         res = _loop_runner()(_run(args))  # the event loop ``mixrl serve`` runs on, for both arms
