@@ -112,8 +112,10 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def test_resume_after_crash_matches_straight_run(tiny_policy: Path, tmp_path: Path) -> None:
-    # Bit-equal weights need equal batches in the engines: threads give the same schedule
-    # every time, worker processes batch by message arrival (equal tokens, not equal bits).
+    # Equal prompts and tokens, and weights equal to float32 rounding: which requests share an
+    # engine batch depends on arrival timing (under load, even with threads), and a batch's
+    # size changes the last bits of its log-probs. A resume that lost optimizer state or
+    # repeated a step would differ by the size of an update (~lr), checked below.
     common = {"mode": "sync", "steps": 6, "checkpoint_every": 3, "seed": 3, "sampler_workers": "thread"}
     straight = tmp_path / "straight"
     train(tiny_cfg(tiny_policy, straight, runtime=common), evaluate=False)
@@ -139,9 +141,11 @@ def test_resume_after_crash_matches_straight_run(tiny_policy: Path, tmp_path: Pa
     a, b = batches(straight), batches(crashed)
     assert [r["prompts"] for r in a] == [r["prompts"] for r in b]
     assert_complete_and_unique(crashed, 6)
-    wa, wb = _weights(straight), _weights(crashed)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert not all(torch.equal(wa[k], v) for k, v in _weights_init(tiny_policy).items())
+    wa, wb, w0 = _weights(straight), _weights(crashed), _weights_init(tiny_policy)
+    resume_diff = max((wa[k] - wb[k]).abs().max().item() for k in wa)
+    update = max((wa[k] - w0[k]).abs().max().item() for k in wa)
+    assert update > 1e-4, update
+    assert resume_diff <= 1e-6, (resume_diff, update)
 
 
 def _weights_init(policy: Path) -> dict[str, torch.Tensor]:
