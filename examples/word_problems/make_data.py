@@ -1,4 +1,4 @@
-"""Generate the word-problem example: data/train.jsonl and data/test.jsonl.
+"""Generate the word-problem data the agent examples use: data/train.jsonl and data/test.jsonl.
 
     python examples/word_problems/make_data.py      # rewrites the two files (deterministic)
 

@@ -3,7 +3,7 @@
 Without a config this is ``mixrl.rollout.evaluate`` unchanged (a bundled task
 family, ``--task``). With one, the held-out split and the environment come
 from it: ``--config`` names a run config (``mixrl eval bundled --config
-examples/word_problems/config.toml`` scores the base policy on that data), and
+examples/arithmetic/config.toml`` scores the base policy on that data), and
 a checkpoint inside a run directory (``RUN_DIR/policy``) uses
 ``RUN_DIR/config.toml`` by itself. Turn and token limits then follow the
 run's ``rollout`` and ``env.options``, as the run's own final evaluation does.
