@@ -296,12 +296,13 @@ class BuiltinEngine(Engine):
             logits = path.logits(w, hidden)  # [b, V] fp32
             # counted after temperature: finite logits can still overflow at a tiny temperature
             nonfinite = (~torch.isfinite(logits / temp[:, None])).sum(dim=1)  # [b]
-            if bool(nonfinite.any()):
+            any_bad = bool(nonfinite.any())
+            if any_bad:
                 logits = torch.where((nonfinite > 0)[:, None], 0.0, logits)  # keep the math finite
             logq, keep = sampling_logprobs(logits, temp, topk, topp)
             tok = draw(logq, U[:, s])  # [b]
             lp = logq.gather(1, tok[:, None]).squeeze(1)
-            for j, n_bad in enumerate(nonfinite.tolist()):
+            for j, n_bad in enumerate(nonfinite.tolist() if any_bad else ()):
                 row = rows[live[j]]
                 if n_bad and row.finish is None:  # ends here; this step's token is not emitted
                     row.finish, row.nonfinite = "numerical_error", n_bad
