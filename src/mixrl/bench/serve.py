@@ -51,8 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-wait-ms", type=float, default=1000.0,
                         help="the sampler's longest batching window, the same in both arms")
     parser.add_argument("--idle-ms", type=float, default=10.0,
-                        help="a batch closes once no request came for this long or a tenth of the last "
-                             "batch's time (the same in both arms)")
+                        help="a batch closes once no request came for this long or a tenth of the longest of "
+                             "the last 8 batches' times (the same in both arms)")
     parser.add_argument("--long-model", default="random:256x4",
                         help='second workload: "random:HIDDENxLAYERS", an HF directory, or "none"')
     parser.add_argument("--long-max-tokens", type=int, default=64, help="max_tokens of the second workload")

@@ -25,7 +25,7 @@ Example (``max_batch=2``, ``max_wait_ms=5``)::
 
 With ``idle_ms=3`` and ``max_wait_ms=100`` (and batches of under 30ms so far), requests
 arriving at t=0, 2, 4 ... 40ms run as one batch at about t=43ms (3ms after the last), not
-as [t=0..5] [t=6..] ... batches; after a batch that took 200ms the quiet gap is 20ms.
+as [t=0..5] [t=6..] ... batches; once one of the last 8 batches took 200ms the gap is 20ms.
 
 A failing ``generate_batch`` or ``load_weights`` is a replica failure: the
 futures of that batch, everything queued and every later call raise
@@ -36,6 +36,7 @@ never raises here (the engine returns an error ``finish_reason`` for it).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import Mapping
@@ -67,13 +68,14 @@ class BatchingSampler(Sampler):
         self.max_batch = max_batch
         self.max_wait = max_wait_ms / 1000.0
         # None: collect for max_wait_ms. A number: also close the batch once no request came
-        # for idle_ms or a tenth of the last batch's run time, whichever is longer, so a long
-        # max_wait_ms gathers a burst that trickles in (HTTP requests parsed one after another)
-        # without holding a lone request for all of it. A batch costs about the same whatever
-        # its size, so splitting a burst costs a whole batch, a longer gap a tenth at most;
-        # and on a loaded machine arrivals and batches slow down together.
+        # for idle_ms or a tenth of a recent batch's run time (the longest of the last 8),
+        # whichever is longer, so a long max_wait_ms gathers a burst that trickles in (HTTP
+        # requests parsed one after another) without holding a lone request for all of it.
+        # A batch costs about the same whatever its size, so splitting a burst costs a whole
+        # batch, a longer gap a tenth at most; and on a loaded machine arrivals and batches
+        # slow down together.
         self.idle = None if idle_ms is None else idle_ms / 1000.0
-        self._last_run = 0.0  # seconds the last batch took in the engine
+        self._runs: collections.deque[float] = collections.deque(maxlen=8)  # recent batches' seconds
         self.failure: BaseException | None = None  # set once: FAILED
         self.batches = 0  # batches run, for tests and metrics
         self._queue: asyncio.Queue[_Item] | None = None
@@ -137,7 +139,7 @@ class BatchingSampler(Sampler):
             deadline = time.perf_counter() + self.max_wait
             while len(batch) < self.max_batch:
                 left = deadline - time.perf_counter()
-                gap = left if self.idle is None else max(self.idle, self._last_run / 10)
+                gap = left if self.idle is None else max(self.idle, max(self._runs, default=0.0) / 10)
                 item = await self._next(min(left, gap))
                 if item is None:
                     break
@@ -162,7 +164,9 @@ class BatchingSampler(Sampler):
             self._fail(e, batch)
             return
         self.batches += 1
-        self._last_run = time.perf_counter() - start
+        # the gap uses the longest of the last 8: one short batch (a 1-token request) does not
+        # shrink the gap the next burst gets
+        self._runs.append(time.perf_counter() - start)
         for b, r in zip(batch, results, strict=True):
             r.timings["queue_s"] = start - b.enqueued
             r.timings["sampler_batch"] = float(len(batch))
