@@ -190,6 +190,8 @@ def test_quiet_gap_grows_with_the_engines_batch_time(engine):
     async def go(delay: float):
         s = BatchingSampler(_Slow(engine, delay), max_batch=16, max_wait_ms=5000, idle_ms=10)
         await s.generate(_req(0))  # one batch: its run time sets the gap
+        s.engine.delay = 0.0
+        await s.generate(_req(1))  # a short batch after it does not shrink the gap
         trickle = []
         for i in range(4):  # 40 ms apart
             trickle.append(asyncio.create_task(s.generate(_req(i))))
