@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -169,3 +170,41 @@ def test_process_replicas_quantize_once_per_version_and_format(tiny_policy: Path
                 torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=0)
     sv.retire()
     assert not any(p.exists() for p in sv._files)
+
+
+def test_a_weights_load_error_fails_the_replica_never_a_stall(tiny_policy: Path) -> None:
+    # A load error that is not a ReplicaFailure (an engine rejecting a state dict with a
+    # ValueError, as vLLM's loader does) once ended the catch-up task silently, and
+    # wait_synced then waited forever. The replica's handle is real; its engine's loader
+    # is made to raise for version 1.
+    from transformers import AutoModelForCausalLM
+
+    async def main() -> None:
+        cfg = build_config({"fleet": {"groups": [{"name": "a", "profile": "fp32", "replicas": 1}]},
+                            "runtime": {"sampler_workers": "thread"}})
+        backend = InProcessBackend(cfg, str(tiny_policy), None)
+
+        async def make(group: str, name: str) -> Any:
+            h = await backend.make_sampler(group, name)
+            real = h.load_weights
+
+            async def load_weights(ref: Any, version: int) -> None:
+                if version >= 1:
+                    raise ValueError("state_dict does not match the engine's checkpoint")
+                await real(ref, version)
+
+            h.load_weights = load_weights
+            return h
+
+        fleet = Fleet([GroupSpec("a", 1.0, 1, 0, 4)], make, WeightStore(), seed=0)
+        fleet.restart_failed = False
+        sd = AutoModelForCausalLM.from_pretrained(str(tiny_policy)).state_dict()
+        fleet.publish(0, copy_state_dict(sd))
+        await fleet.start()
+        fleet.publish(1, copy_state_dict(sd))
+        await asyncio.wait_for(fleet.wait_synced(1), timeout=120)
+        assert fleet.counts["replica_failures"] == 1
+        assert "a/0" not in fleet.handles
+        await fleet.close()
+
+    asyncio.run(main())

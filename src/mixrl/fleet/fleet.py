@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import sys
 import time
+import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -235,6 +237,11 @@ class Fleet:
                 await self.handles[name].load_weights(ref, version)
             except ReplicaFailure as e:
                 self._mark_failed(name, e)
+                return
+            except Exception as e:  # any other load error: the replica cannot serve; never a silent stall
+                logging.getLogger("mixrl").error(
+                    "replica %s failed to load weights version %d:\n%s", name, version, traceback.format_exc())
+                self._mark_failed(name, ReplicaFailure(f"{name}: loading weights version {version}: {e!r}"))
                 return
             self.versions[name] = version
             self.store.served(version, name)
