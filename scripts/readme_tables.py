@@ -114,7 +114,18 @@ def table_probe() -> str:
     return f"`{art['command']}` on {_machine(art['machine'])}:\n\n{table}"
 
 
-TABLES: dict[str, Callable[[], str]] = {"eval": table_eval, "data": table_data, "bench": table_bench, "probe": table_probe}
+def table_make_run() -> str:
+    art = _load("make_run.json")
+    if art is None:
+        return ""
+    r = art["result"]
+    row = [f"{r['environment_s']:.0f} s", f"{r['train_s']:.0f} s", f"{r['total_min']:.1f} min",
+           f"{_machine(art['machine'])} (at the start)", str(r["commit"])[:10]]
+    return _table(["environment (`scripts/bootstrap.sh`)", "`mixrl train`", "total", "machine", "commit"], [row])
+
+
+TABLES: dict[str, Callable[[], str]] = {"eval": table_eval, "data": table_data, "bench": table_bench,
+                                        "probe": table_probe, "make_run": table_make_run}
 
 
 def render(text: str) -> str:
