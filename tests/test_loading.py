@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from chat_templates import QWEN, bpe_tokenizer, save_tiny_llama
+from hf_cache import hf_cache_layout
 
 from mixrl.config.run import ConfigError
 from mixrl.models.loading import check_model, load_tokenizer, resolve_model
@@ -21,19 +22,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _hf_cache(root: Path, repo: str, src: Path) -> Path:
-    """The layout huggingface_hub writes: blobs, a snapshot of links, refs/main."""
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    base = root / "hub" / f"models--{repo.replace('/', '--')}"
-    snap = base / "snapshots" / commit
-    (base / "blobs").mkdir(parents=True)
-    snap.mkdir(parents=True)
-    for f in src.iterdir():
-        blob = base / "blobs" / f"blob-{f.name}"
-        shutil.copy(f, blob)
-        (snap / f.name).symlink_to(Path("../../blobs") / blob.name)
-    (base / "refs").mkdir()
-    (base / "refs" / "main").write_text(commit)
-    return snap
+    return hf_cache_layout(root / "hub", repo, src)
 
 
 def test_local_dir_and_hub_id_from_the_local_cache(llama_dir: Path, tmp_path: Path, monkeypatch) -> None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from hf_cache import hf_cache_layout
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "own_model.md"
@@ -67,17 +67,7 @@ def _tiny_qwen3_in_cache(home: Path, repo: str) -> Path:
                       eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip
     Qwen3ForCausalLM(cfg).save_pretrained(str(src))
     tok.save_pretrained(str(src))
-    commit = "0123456789abcdef0123456789abcdef01234567"
-    base = home / "hub" / f"models--{repo.replace('/', '--')}"
-    snap = base / "snapshots" / commit
-    (base / "blobs").mkdir(parents=True)
-    snap.mkdir(parents=True)
-    for f in src.iterdir():
-        shutil.copy(f, base / "blobs" / f.name)
-        (snap / f.name).symlink_to(Path("../../blobs") / f.name)
-    (base / "refs").mkdir()
-    (base / "refs" / "main").write_text(commit)
-    return snap
+    return hf_cache_layout(home / "hub", repo, src)
 
 
 def test_readme_commands_are_the_tested_ones() -> None:

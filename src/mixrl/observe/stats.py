@@ -100,6 +100,11 @@ def diff_draws(
     return ma - mb, ti, ai, bi
 
 
+def _common_tasks(tables: Sequence[dict[str, Sequence[int]]]) -> list[str]:
+    """The tasks every seed's table evaluated, sorted."""
+    return sorted(set.intersection(*(set(t) for t in tables)))
+
+
 def bootstrap_passk_diff(
     a: Sequence[dict[str, Sequence[int]]],
     b: Sequence[dict[str, Sequence[int]]],
@@ -117,12 +122,7 @@ def bootstrap_passk_diff(
     the task set is empty."""
     if not a or not b:
         return None
-    if tasks is None:
-        common = set(a[0])
-        for table in [*a, *b]:
-            common &= set(table)
-        tasks = sorted(common)
-    tasks = list(tasks)
+    tasks = _common_tasks([*a, *b]) if tasks is None else list(tasks)
     if not tasks:
         return None
     ma, mb = passk_matrix(a, tasks, k), passk_matrix(b, tasks, k)
@@ -156,6 +156,27 @@ def bootstrap_mean_diff(
     return Interval(est, lo, hi, level, draws, what)
 
 
+def bootstrap_passk_mean(
+    a: Sequence[dict[str, Sequence[int]]],
+    k: int,
+    *,
+    tasks: Sequence[str] | None = None,
+    draws: int = 2000,
+    level: float = 0.95,
+    seed: int = 0,
+) -> Interval | None:
+    """pass@k of one arm with its interval over seeds and tasks (the difference from an
+    arm that scores 0 on every task: the same resampling as ``bootstrap_passk_diff``)."""
+    if not a:
+        return None
+    tasks = _common_tasks(a) if tasks is None else list(tasks)
+    zero = [{t: (max(k, 1), 0) for t in tasks}]
+    iv = bootstrap_passk_diff(a, zero, k, tasks=tasks, draws=draws, level=level, seed=seed)
+    if iv is not None:
+        iv.what = f"{len(a)} seeds x {len(tasks)} tasks"
+    return iv
+
+
 def hard_tasks(base: dict[str, Sequence[int]], threshold: float = 0.25) -> list[str]:
     """Tasks the base policy solves less than ``threshold`` of the time (c / n)."""
     return sorted(t for t, (n, c) in base.items() if n > 0 and c / n < threshold)
@@ -173,23 +194,3 @@ __all__ = [
     "hard_tasks",
 ]
 
-
-def bootstrap_passk_mean(
-    a: Sequence[dict[str, Sequence[int]]],
-    k: int,
-    *,
-    tasks: Sequence[str] | None = None,
-    draws: int = 2000,
-    level: float = 0.95,
-    seed: int = 0,
-) -> Interval | None:
-    """pass@k of one arm with its interval over seeds and tasks (the difference from an
-    arm that scores 0 on every task: the same resampling as ``bootstrap_passk_diff``)."""
-    if not a:
-        return None
-    tasks = sorted(set.intersection(*(set(t) for t in a))) if tasks is None else list(tasks)
-    zero = [{t: (max(k, 1), 0) for t in tasks}]
-    iv = bootstrap_passk_diff(a, zero, k, tasks=tasks, draws=draws, level=level, seed=seed)
-    if iv is not None:
-        iv.what = f"{len(a)} seeds x {len(tasks)} tasks"
-    return iv
