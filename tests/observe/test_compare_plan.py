@@ -47,7 +47,7 @@ def test_budgets_and_bad_input(tmp_path, capsys):
     assert full["seeds"] == 3 and set(full["arms"]) == set(compare.ARMS)
     assert set(full["fleets"]) == {"mixed", "homogeneous", "stress"}
     default = compare.settings(_args(tmp_path))
-    assert default["seeds"] == 3 and set(default["fleets"]) == {"mixed", "stress"}
+    assert default["seeds"] == 3 and set(default["fleets"]) == {"mixed", "homogeneous", "stress"}
     assert compare.main(_args(tmp_path, "--seeds", "0")) == 2
     assert "--seeds must be >= 1" in capsys.readouterr().err
     assert compare.main(_args(tmp_path, "--fleets", "moon")) == 2

@@ -36,11 +36,11 @@ REFERENCE_FLEET = "reference"  # where the arms with their own numerics run
 HOMOGENEOUS_PROFILE = "b200-bf16"
 STRESS_PROFILES = ("stress-b200-nvfp4", "stress-b300-mxfp4", "stress-h100-fp8")
 
-# What each budget runs. "default" is sized to fit 60 minutes on 2 quiet cores (projected
-# from measured tiny runs, docs/study.md); "full" is the whole study (~11 h projected).
+# What each budget runs. "default" is sized to fit 60 minutes on 2 quiet cores (21 runs; the
+# measured wall time is in docs/study.md); "full" is the whole study (~11 h projected).
 # --arms/--fleets/--seeds/--steps/--eval-* override a budget.
 BUDGETS: dict[str, dict[str, object]] = {
-    "default": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": ("mixed", "stress"),
+    "default": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": FLEETS,
                 "seeds": 3, "steps": 24, "eval_tasks": 48, "eval_n": 16},
     "full": {"arms": ARMS, "fleets": FLEETS, "seeds": 3, "steps": 100, "eval_tasks": 128,
              "eval_n": 16},
