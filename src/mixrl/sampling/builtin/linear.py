@@ -23,10 +23,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The probe's verdict per (shape, dtype, bias dtype, batch hint): it judges the kernels, not the
+# values, and probing costs more than packing (every weights load packs every Linear again).
+_VERDICTS: dict[tuple[object, ...], bool] = {}
+
 
 def _pack(w: torch.Tensor, b: torch.Tensor | None, batch_hint: int) -> torch.Tensor | None:
+    key = (tuple(w.shape), w.dtype, None if b is None else b.dtype, batch_hint)
+    verdict = _VERDICTS.get(key)
+    if verdict is False:
+        return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w, batch_hint)
+        if verdict:
+            return packed
         probe = torch.linspace(-1, 1, 2 * w.shape[1], dtype=w.dtype).view(2, -1)
         other = torch.linspace(-2, 2, 2 * w.shape[0], dtype=w.dtype).view(2, -1)
         got = torch.ops.mkldnn._linear_pointwise(probe, packed, b, "none", [], "")
@@ -35,11 +45,14 @@ def _pack(w: torch.Tensor, b: torch.Tensor | None, batch_hint: int) -> torch.Ten
         got_mul = torch.ops.mkldnn._linear_pointwise.binary(probe, other, packed, b, "mul")
         got_silu = torch.ops.mkldnn._linear_pointwise(probe, packed, b, "swish", [], "")
     except (AttributeError, RuntimeError, NotImplementedError):
+        _VERDICTS[key] = False  # no packing for this dtype in this torch build
         return None
     ref = F.linear(probe, w, b)
     tol = 1e-4 if w.dtype == torch.float32 else 5e-2
     pairs = ((got, ref), (got_add, ref + other), (got_mul, ref * other), (got_silu, F.silu(ref)))
     ok = all(float((g.float() - r.float()).abs().max()) <= tol * (float(r.abs().max()) + 1.0) for g, r in pairs)
+    if all(bool(torch.isfinite(r).all()) for _, r in pairs):  # a non-finite weight says nothing of the kernels
+        _VERDICTS[key] = ok
     return packed if ok else None
 
 
