@@ -2,7 +2,8 @@
 
 ``BuiltinEngine`` loads any HF causal LM through ``transformers``, keeps its own
 fake-quantized weights and decodes incrementally with a KV cache: one prefill
-over the left-padded prompts, then one token per step for the whole batch.
+over the left-padded prompts, then one token per step for the whole batch;
+new requests can join a running batch between steps (``stream``, ``running``).
 Two paths (``forward=``): ``"fast"``, the hand-fused Qwen3 kernels
 (``fast``/``qwen3_forward``), and ``"generic"``, the HF model's own modules with
 the formats applied in place (``generic``); ``"auto"`` (default) takes the fast
@@ -32,7 +33,6 @@ the model's EOS ids unless ``stop_on_eos=False``) and with ``"length"`` after
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +41,7 @@ import torch
 from mixrl.sampling.base import Engine, FinishReason, GenerationRequest, GenerationResult
 from mixrl.sampling.builtin import fast
 from mixrl.sampling.builtin.precision import from_profile
-from mixrl.sampling.builtin.sample import draw, sampling_logprobs
+from mixrl.sampling.builtin.running import Running
 
 _MASK64 = (1 << 64) - 1
 SUPPORT_BUFFER_BYTES = 256 << 20  # above this, whole-vocabulary supports are listed step by step
@@ -70,35 +70,6 @@ def _eos_ids(model_path: str, cfg: Any) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-class _Row:
-    """Output being built for one request of a running batch."""
-
-    __slots__ = ("req", "stops", "limit", "ids", "lps", "offs", "cids", "clps", "finish", "nonfinite", "error",
-                 "stride", "routes")  # fmt: skip
-
-    def __init__(self, req: GenerationRequest, stops: frozenset[int], limit: int) -> None:
-        self.req, self.stops, self.limit = req, stops, limit
-        self.ids: list[int] = []
-        self.lps: list[float] = []
-        self.offs: list[int] = [0]
-        self.cids: list[int] = []
-        self.clps: list[float] = []
-        self.finish: FinishReason | None = None
-        self.nonfinite = 0
-        self.error = ""
-        self.stride = 0  # V when this row's whole-vocabulary support goes to the batch buffer
-        self.routes: list[list[list[int]]] = []  # MoE: per token [layers][k] experts
-
-    def push(self, tok: int, lp: float) -> None:
-        self.ids.append(tok)
-        self.lps.append(lp)
-        self.offs.append(len(self.ids) * self.stride if self.stride else len(self.cids))
-        if tok in self.stops:
-            self.finish = "stop"
-        elif len(self.ids) >= self.limit:
-            self.finish = "length"
-
-
 class BuiltinEngine(Engine):
     """Torch engine for HF causal LMs in one precision profile (see module doc).
 
@@ -121,8 +92,10 @@ class BuiltinEngine(Engine):
         forward: ``"auto"`` | ``"fast"`` (Qwen3 only) | ``"generic"`` (see module doc);
             ``path_name`` says which one runs.
 
-    Rows that finish are dropped from the running batch once a quarter of it has
-    finished, so long tails do not pay for finished rows. ``version`` is 0 for the
+    Decoding runs in ``running.Running``: rows that finish leave at once and are
+    dropped from the tensors once a quarter of the batch has finished, so long tails
+    do not pay for finished rows; ``stream()`` opens a batch that new requests join
+    between steps (continuous batching). ``version`` is 0 for the
     checkpoint at ``model_path``; ``load_weights`` sets the trainer's versions.
     """
 
@@ -202,12 +175,22 @@ class BuiltinEngine(Engine):
         self._weights, self.version = w, version  # a running batch keeps its own reference
 
     # --------------------------------------------------------------- generation
+    def seed_for(self, r: GenerationRequest) -> int:
+        """The generator seed of the next request the engine sees (every request counts)."""
+        seed = r.params.seed if r.params.seed is not None else request_seed(self.seed, self._seen)
+        self._seen += 1
+        return seed
+
+    def stream(self) -> Running:
+        """A batch that requests join between decode steps (continuous batching), on the
+        weights loaded now; see ``running``."""
+        return Running(self)
+
     def generate_batch(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         results: list[GenerationResult | None] = [None] * len(requests)
         ok: list[tuple[int, int]] = []  # (request index, generator seed)
         for i, r in enumerate(requests):
-            seed = r.params.seed if r.params.seed is not None else request_seed(self.seed, self._seen)
-            self._seen += 1
+            seed = self.seed_for(r)
             reason, msg = self._check(r)
             if reason is None:
                 ok.append((i, seed))
@@ -215,9 +198,11 @@ class BuiltinEngine(Engine):
                 results[i] = self._failed(reason, msg)
         ok.sort(key=lambda t: len(requests[t[0]].prompt_ids))  # similar lengths share a batch
         for chunk in self._chunks(ok, requests):
-            outs = self._run([requests[i] for i, _ in chunk], [s for _, s in chunk])
-            for (i, _), res in zip(chunk, outs, strict=True):
-                results[i] = res
+            run = Running(self)
+            run._admit([(i, requests[i], s) for i, s in chunk])  # one prefill for the chunk
+            while run.rows:
+                for i, res in run.step():
+                    results[i] = res
         return [r for r in results if r is not None]
 
     def _chunks(self, ok: list[tuple[int, int]], requests: list[GenerationRequest]) -> list[list[tuple[int, int]]]:
@@ -255,148 +240,4 @@ class BuiltinEngine(Engine):
         return GenerationResult(
             token_ids=[], logprobs=[], cand_offsets=[0], cand_ids=[], cand_logprobs=[],
             cand_kind="none", version=self.version, group=self.group, finish_reason=reason, error=msg,
-        )
-
-    @torch.inference_mode()
-    def _run(self, reqs: list[GenerationRequest], seeds: list[int]) -> list[GenerationResult]:
-        w, version, path, prec, V = self._weights, self.version, self.path, self.prec, self.vocab
-        t0 = time.perf_counter()
-        B = len(reqs)
-        lens = [len(r.prompt_ids) for r in reqs]
-        P = max(lens)
-        limits = [min(r.params.max_new_tokens, self.max_context - n) for r, n in zip(reqs, lens, strict=True)]
-        N = max(limits)
-        rows = [_Row(r, self.eos_ids | frozenset(r.params.stop_ids), lim) for r, lim in zip(reqs, limits, strict=True)]
-
-        # Per-row tensors; all are sliced together when finished rows are dropped.
-        L = torch.tensor(lens)  # [B] prompt lengths
-        start = P - L  # [B] first real column (left padding)
-        temp = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32)
-        topk = torch.tensor([r.params.top_k for r in reqs])
-        topp = torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32)
-        U = torch.stack([torch.rand(N, generator=torch.Generator().manual_seed(s), dtype=torch.float64) for s in seeds])  # [B, N]
-        live = list(range(B))  # tensor row -> index into rows
-        # Rows sampling from the whole vocabulary record log q of every token at every
-        # step: buffered as a tensor and listed once at the end (far cheaper than per step).
-        full = [i for i, r in enumerate(reqs) if r.params.record == "support" and r.params.top_k == 0 and r.params.top_p >= 1]
-        buf = None
-        if full and B * N * V * 4 <= SUPPORT_BUFFER_BYTES:
-            buf = torch.empty(B, N, V)  # [B, N, V] by original row
-            for i in full:
-                rows[i].stride = V
-        padded = min(lens) < P
-
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, P - lens[i] :] = torch.tensor(r.prompt_ids)
-        batch, hidden = path.begin(w, ids, start, P + N)  # [B, H]
-        t1 = time.perf_counter()
-
-        for s in range(N):
-            logits = path.logits(w, hidden)  # [b, V] fp32
-            # counted after temperature: finite logits can still overflow at a tiny temperature
-            nonfinite = (~torch.isfinite(logits / temp[:, None])).sum(dim=1)  # [b]
-            any_bad = bool(nonfinite.any())
-            if any_bad:
-                logits = torch.where((nonfinite > 0)[:, None], 0.0, logits)  # keep the math finite
-            logq, keep = sampling_logprobs(logits, temp, topk, topp)
-            tok = draw(logq, U[:, s])  # [b]
-            lp = logq.gather(1, tok[:, None]).squeeze(1)
-            for j, n_bad in enumerate(nonfinite.tolist() if any_bad else ()):
-                row = rows[live[j]]
-                if n_bad and row.finish is None:  # ends here; this step's token is not emitted
-                    row.finish, row.nonfinite = "numerical_error", n_bad
-                    row.error = f"{n_bad} non-finite logits at generated token {s} ({prec.describe})"
-            self._record(rows, live, logq, keep, buf, s)
-            route = batch.routing()  # [b, layers, k]: the experts of the position that produced these logits
-            if route is not None:
-                for j, r in enumerate(route.tolist()):
-                    if rows[live[j]].finish is None:
-                        rows[live[j]].routes.append(r)
-            for j, (t, v) in enumerate(zip(tok.tolist(), lp.tolist(), strict=True)):
-                row = rows[live[j]]
-                if row.finish is None:
-                    row.push(t, v)
-            done = [j for j, r in enumerate(live) if rows[r].finish is not None]
-            if len(done) == len(live):
-                break
-            if len(done) >= max(1, len(live) // 4):  # drop finished rows: less work per step
-                keep_idx = torch.tensor([j for j in range(len(live)) if rows[live[j]].finish is None])
-                live = [live[j] for j in keep_idx.tolist()]
-                batch.keep_rows(keep_idx)
-                L, start, temp, topk, topp, U, tok = (
-                    t.index_select(0, keep_idx) for t in (L, start, temp, topk, topp, U, tok)
-                )
-                padded = bool(start.max() > 0)
-            hidden = batch.step(tok, L + s, P + s, start, padded)  # written at column P + s
-        t2 = time.perf_counter()
-
-        timings = {"prefill_s": t1 - t0, "decode_s": t2 - t1, "batch_size": float(B)}
-        return [self._result(row, version, timings, buf, i) for i, row in enumerate(rows)]
-
-    def _record(
-        self, rows: list[_Row], live: list[int], logq: torch.Tensor, keep: torch.Tensor | None,
-        buf: torch.Tensor | None, step: int,
-    ) -> None:
-        """Append this step's candidates of q to every running row (vectorized per kind)."""
-        sup = [j for j, r in enumerate(live) if rows[r].finish is None and rows[r].req.params.record == "support"]
-        head = [j for j, r in enumerate(live) if rows[r].finish is None and rows[r].req.params.head_k > 0]
-        if buf is not None and sup:
-            fast = [j for j in sup if rows[live[j]].stride]
-            if fast:
-                buf[torch.tensor([live[j] for j in fast]), step] = logq[torch.tensor(fast)]
-                sup = [j for j in sup if not rows[live[j]].stride]
-        if sup and keep is None:  # whole vocabulary: ids are 0..V-1, only the values vary
-            vals = (logq if len(sup) == len(live) else logq[torch.tensor(sup)]).tolist()
-            for j, v in zip(sup, vals, strict=True):
-                row = rows[live[j]]
-                row.cids.extend(self._vocab_ids)
-                row.clps.extend(v)
-        elif sup and keep is not None:
-            sel = torch.tensor(sup)
-            m = keep[sel]
-            counts = m.sum(1).tolist()
-            cols = m.nonzero()[:, 1].tolist()
-            vals = logq[sel][m].tolist()
-            a = 0
-            for j, n in zip(sup, counts, strict=True):
-                row = rows[live[j]]
-                row.cids.extend(cols[a : a + n])
-                row.clps.extend(vals[a : a + n])
-                a += n
-        if head:
-            sel = torch.tensor(head)
-            kmax = min(max(rows[live[j]].req.params.head_k for j in head), logq.shape[1])
-            top, ix = logq[sel].topk(kmax, dim=1)  # [h, kmax] descending
-            nfin = torch.isfinite(top).sum(1).tolist()  # never list tokens outside the support
-            top_l, ix_l = top.tolist(), ix.tolist()
-            for a, j in enumerate(head):
-                row = rows[live[j]]
-                n = min(row.req.params.head_k, nfin[a])
-                row.cids.extend(ix_l[a][:n])
-                row.clps.extend(top_l[a][:n])
-
-    def _result(
-        self, row: _Row, version: int, timings: dict[str, float], buf: torch.Tensor | None, i: int
-    ) -> GenerationResult:
-        kind = row.req.params.record
-        cids, clps = row.cids, row.clps
-        if row.stride:  # buffered whole-vocabulary support: one tolist for the whole request
-            assert buf is not None
-            n = len(row.ids)
-            cids, clps = self._vocab_ids * n, buf[i, :n].reshape(-1).tolist()
-        return GenerationResult(
-            token_ids=row.ids,
-            logprobs=row.lps,
-            cand_offsets=row.offs,
-            cand_ids=cids,
-            cand_logprobs=clps,
-            cand_kind="support" if kind == "support" else "head" if kind.startswith("head:") else "none",
-            version=version,
-            group=self.group,
-            finish_reason=row.finish or "length",
-            num_nonfinite=row.nonfinite,
-            error=row.error,
-            timings=dict(timings),
-            routed_experts=row.routes[: len(row.ids)] if row.routes else None,
         )

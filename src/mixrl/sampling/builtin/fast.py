@@ -11,6 +11,11 @@ A *path* is what ``BuiltinEngine`` decodes with. Both paths (this one and
   (``tok`` [b], RoPE position ``pos`` [b]) written at cache column ``col``;
 - ``batch.keep_rows(idx)``: drop finished rows; ``batch.routing()``: the top-k
   experts of the last forward's last column ``[b, layers, k]`` (None: no MoE);
+- ``batch.absorb(other, col, need, max_rows)`` -> shift: rows joining a running
+  batch (``other``: a ``begin`` of their prompts) so that their prompts end at its
+  column ``col - 1``; the old rows' columns move right by ``shift`` (when the new
+  prompts are longer than ``col``); ``batch.trim(cols)``: forget leading columns
+  that are padding for every row; ``batch.can_absorb`` says whether rows can join;
 - ``logits(w, hidden)`` -> float32 [b, V].
 
 This path applies only to ``model_type == "qwen3"`` (``applies``); every other
@@ -68,6 +73,7 @@ class FastPath:
 
 class _FastBatch:
     __slots__ = ("w", "shape", "prec", "cache")
+    can_absorb = True
 
     def __init__(self, w: qf.Weights, shape: qf.Shape, prec: Precision, cache: KVCache) -> None:
         self.w, self.shape, self.prec, self.cache = w, shape, prec, cache
@@ -81,6 +87,12 @@ class _FastBatch:
 
     def keep_rows(self, idx: torch.Tensor) -> None:
         self.cache.keep_rows(idx)
+
+    def absorb(self, other: _FastBatch, col: int, need: int, max_rows: int) -> int:
+        return self.cache.absorb(other.cache, col, need, max_rows)
+
+    def trim(self, cols: int) -> None:
+        self.cache.trim(cols)
 
     def routing(self) -> None:
         return None

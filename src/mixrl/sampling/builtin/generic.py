@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers.cache_utils import DynamicLayer
 
 from mixrl.models.moe import is_router
 from mixrl.sampling.builtin.hf_cache import QuantizedKVCache
@@ -135,6 +136,39 @@ class _GenericBatch:
     def keep_rows(self, idx: torch.Tensor) -> None:
         self.cache.keep_rows(idx)
         self.am = self.am.index_select(0, idx)
+        if self._route is not None:
+            self._route = self._route.index_select(0, idx)
+
+    @property
+    def can_absorb(self) -> bool:
+        # plain layers only: a sliding-window layer keeps its own count of columns seen
+        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+
+    def absorb(self, other: _GenericBatch, col: int, need: int, max_rows: int) -> int:
+        """Rows of ``other`` join (see ``fast``): both sides are left-padded with zeros
+        (attention mask 0) to a common length, then concatenated."""
+        P = other.am.shape[1]
+        shift = max(0, P - col)
+
+        def pad(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
+            if not n:
+                return t
+            shape = list(t.shape)
+            shape[dim] = n
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        for mine, theirs in zip(self.cache.layers, other.cache.layers, strict=True):
+            mine.keys = torch.cat([pad(mine.keys, shift, -2), pad(theirs.keys, col + shift - P, -2)])
+            mine.values = torch.cat([pad(mine.values, shift, -2), pad(theirs.values, col + shift - P, -2)])
+        self.am = torch.cat([pad(self.am, shift, 1), pad(other.am, col + shift - P, 1)])
+        if self._route is not None and other._route is not None:
+            self._route = torch.cat([self._route, other._route])
+        return shift
+
+    def trim(self, cols: int) -> None:
+        for layer in self.cache.layers:
+            layer.keys, layer.values = layer.keys[:, :, cols:], layer.values[:, :, cols:]
+        self.am = self.am[:, cols:]
 
     def routing(self) -> torch.Tensor | None:
         return self._route
