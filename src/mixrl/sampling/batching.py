@@ -27,6 +27,19 @@ With ``idle_ms=3`` and ``max_wait_ms=100`` (and batches of under 30ms so far), r
 arriving at t=0, 2, 4 ... 40ms run as one batch at about t=43ms (3ms after the last), not
 as [t=0..5] [t=6..] ... batches; once one of the last 8 batches took 200ms the gap is 20ms.
 
+Continuous batching: an engine with ``stream()`` (the built-in one) runs a batch
+that requests join between decode steps (``sampling/builtin/running.py``). A
+request that arrives while it runs is admitted at the next step instead of
+waiting for the whole batch, and each result is resolved as soon as its row
+finishes (so a session's next turn can join the same batch). A weights item
+stops admissions: the running rows finish on the version they started with, then
+the weights apply and the requests queued behind them run on the new version, so
+the rule above holds unchanged (one version per result; a request sent after
+``load_weights`` sees the new one). A batch started from IDLE still gathers with
+``max_wait_ms``/``idle_ms`` (one prefill for a burst), but its quiet gap does not
+grow with the batch time: a request that misses the start joins the next step.
+``batches`` counts prefills (groups of requests that joined together).
+
 A failing ``generate_batch`` or ``load_weights`` is a replica failure: the
 futures of that batch, everything queued and every later call raise
 ``ReplicaFailure`` so sessions continue on another replica; a bad *request*
@@ -38,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -46,12 +60,13 @@ from typing import Any
 from mixrl.sampling.base import Engine, GenerationRequest, GenerationResult, ReplicaFailure, Sampler
 
 
-@dataclass
+@dataclass(eq=False)  # hashed by identity (the in-flight set)
 class _Item:
     future: asyncio.Future[Any]
     request: GenerationRequest | None = None  # a generation, or
     weights: tuple[Mapping[str, Any], int] | None = None  # a weight update (state dict, version)
     enqueued: float = 0.0
+    waited: float = 0.0  # seconds from enqueued to joining a continuous batch
 
 
 class BatchingSampler(Sampler):
@@ -81,6 +96,13 @@ class BatchingSampler(Sampler):
         self._queue: asyncio.Queue[_Item] | None = None
         self._task: asyncio.Task[None] | None = None
         self._carry: _Item | None = None  # an item taken while collecting, handled next
+        # continuous batching (engines with stream()): requests for the running batch, taken
+        # by the worker thread between steps; _admitting is False once a weights item waits
+        self._continuous = callable(getattr(engine, "stream", None))
+        self._lock = threading.Lock()
+        self._inbox: collections.deque[_Item] = collections.deque()
+        self._admitting = False
+        self._stop = False
 
     @property
     def version(self) -> int:
@@ -96,6 +118,7 @@ class BatchingSampler(Sampler):
 
     async def close(self) -> None:
         """Stop the background task; pending calls raise ReplicaFailure."""
+        self._stop = True  # a running batch ends at its next step
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -112,6 +135,13 @@ class BatchingSampler(Sampler):
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._loop())
         item.enqueued = time.perf_counter()
+        if self._admitting and self._carry is None and self._queue.empty():
+            with self._lock:
+                if self._admitting:
+                    if item.request is not None:  # joins the running batch at its next step
+                        self._inbox.append(item)
+                        return item.future
+                    self._admitting = False  # weights: the running rows finish first
         self._queue.put_nowait(item)
         return item.future
 
@@ -139,7 +169,9 @@ class BatchingSampler(Sampler):
             deadline = time.perf_counter() + self.max_wait
             while len(batch) < self.max_batch:
                 left = deadline - time.perf_counter()
-                gap = left if self.idle is None else max(self.idle, max(self._runs, default=0.0) / 10)
+                # a request that misses a continuous batch's start joins it a step later: no long gap
+                runs = 0.0 if self._continuous else max(self._runs, default=0.0)
+                gap = left if self.idle is None else max(self.idle, runs / 10)
                 item = await self._next(min(left, gap))
                 if item is None:
                     break
@@ -154,6 +186,9 @@ class BatchingSampler(Sampler):
     async def _run(self, batch: list[_Item]) -> None:
         batch = [b for b in batch if not b.future.done()]  # caller gave up (cancelled)
         if not batch:
+            return
+        if self._continuous:
+            await self._stream(batch)
             return
         start = time.perf_counter()
         try:
@@ -172,6 +207,71 @@ class BatchingSampler(Sampler):
             r.timings["sampler_batch"] = float(len(batch))
             if not b.future.done():
                 b.future.set_result(r)
+
+    async def _stream(self, batch: list[_Item]) -> None:
+        """Run a continuous batch until it has no rows and nothing waits to join it."""
+        assert self._queue is not None
+        while self._carry is None and not self._queue.empty():  # queued behind the batch: join it
+            item = self._queue.get_nowait()
+            if item.weights is not None:
+                self._carry = item
+            else:
+                batch.append(item)
+        self._inbox.extend(batch)
+        self._admitting, self._stop = self._carry is None, False
+        flight: set[_Item] = set()  # admitted, result not yet delivered
+        start = time.perf_counter()
+        self._longest = 0.0
+        try:
+            await asyncio.to_thread(self._drive, asyncio.get_running_loop(), flight)
+        except Exception as e:  # noqa: BLE001 - any engine error is a replica failure
+            with self._lock:
+                self._admitting = False
+                left = list(self._inbox)
+                self._inbox.clear()
+            self._fail(e, list(flight) + left)
+            return
+        self._runs.append(self._longest or time.perf_counter() - start)
+
+    def _drive(self, loop: asyncio.AbstractEventLoop, flight: set[_Item]) -> None:
+        """Worker thread: admit what the inbox holds, step, post finished results."""
+        run = self.engine.stream()  # type: ignore[attr-defined]
+        while not self._stop:
+            with self._lock:
+                take = list(self._inbox)
+                self._inbox.clear()
+                if not take and run.idle:
+                    self._admitting = False
+                    return
+            if take:
+                now = time.perf_counter()
+                for it in take:
+                    it.waited = now - it.enqueued
+                flight.update(take)
+                done = run.add([(it, it.request) for it in take])
+                if done:
+                    self._post(loop, flight, done)
+            before = run.cohorts
+            run.fill(self.max_batch)
+            self.batches += run.cohorts - before
+            if run.rows:
+                done = run.step()
+                if done:
+                    self._post(loop, flight, done)
+
+    def _post(self, loop: asyncio.AbstractEventLoop, flight: set[_Item], done: list[tuple[Any, Any]]) -> None:
+        for it, _ in done:
+            flight.discard(it)
+        with contextlib.suppress(RuntimeError):  # the loop closed under a stopping sampler
+            loop.call_soon_threadsafe(self._deliver, done)
+
+    def _deliver(self, done: list[tuple[_Item, GenerationResult]]) -> None:
+        for it, r in done:
+            r.timings["queue_s"] = it.waited
+            r.timings["sampler_batch"] = r.timings.get("joined", 1.0)
+            self._longest = max(self._longest, r.timings.get("prefill_s", 0.0) + r.timings.get("decode_s", 0.0))
+            if not it.future.done():
+                it.future.set_result(r)
 
     async def _apply(self, item: _Item) -> None:
         assert item.weights is not None

@@ -113,8 +113,9 @@ class Running:
     def _need(self, r: GenerationRequest) -> int:
         return min(r.params.max_new_tokens, self.e.max_context - len(r.prompt_ids))
 
-    def fill(self) -> int:
-        """Admit the queued requests that fit; returns how many joined."""
+    def fill(self, max_rows: int | None = None) -> int:
+        """Admit the queued requests that fit (at most ``max_rows`` rows in all, and the
+        engine's ``max_batch`` and ``max_batch_tokens``); returns how many joined."""
         if not self.pending:
             return 0
         e = self.e
@@ -125,7 +126,8 @@ class Running:
         b = len(self.rows)
         left = [row.limit - len(row.ids) for row in self.rows]
         need, P, take = max(left, default=0), 0, []
-        while self.pending and b + len(take) < e.max_batch:
+        cap = e.max_batch if max_rows is None else min(max_rows, e.max_batch)
+        while self.pending and b + len(take) < cap:
             r = self.pending[0][1]
             n_need, n_P = max(need, self._need(r)), max(P, len(r.prompt_ids))
             cols = max(self.col, n_P) + n_need
@@ -185,7 +187,8 @@ class Running:
             t["U"], new["U"] = (torch.nn.functional.pad(u, (0, W - u.shape[1])) for u in (t["U"], new["U"]))
             self.t = {k: torch.cat([t[k], new[k]]) for k in t}
             self.hidden = torch.cat([self.hidden, hidden])
-        cohort = {"prefill_s": time.perf_counter() - t0, "t1": time.perf_counter(), "batch_size": float(len(self.rows) + len(rows))}
+        cohort = {"prefill_s": time.perf_counter() - t0, "t1": time.perf_counter(),
+                  "batch_size": float(len(self.rows) + len(rows)), "joined": float(len(rows))}  # fmt: skip
         for row in rows:
             row.cohort = cohort
         self.rows += rows
@@ -309,7 +312,9 @@ class Running:
             cids, clps = self.e._vocab_ids * n, row.buf[row.bi, :n].reshape(-1).tolist()
             row.buf = None
         c = row.cohort
-        timings = {"prefill_s": c["prefill_s"], "decode_s": time.perf_counter() - c["t1"], "batch_size": c["batch_size"]}
+        # batch_size: rows decoding once it joined; joined: rows prefilled with it
+        timings = {"prefill_s": c["prefill_s"], "decode_s": time.perf_counter() - c["t1"],
+                   "batch_size": c["batch_size"], "joined": c["joined"]}  # fmt: skip
         return GenerationResult(
             token_ids=row.ids,
             logprobs=row.lps,
