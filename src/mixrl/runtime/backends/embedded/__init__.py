@@ -18,7 +18,8 @@ backend and selects it too.
 Each worker sets ``runtime.torch_threads`` torch threads. Replicas whose
 format can be pre-quantized (``formats.format_key``) run their engine with the
 weight format switched off and receive weights quantized once per version and
-format (by the first worker of that format; thread replicas quantize here).
+format (by the first worker of that format, at most one quantizing per core,
+``slots``; thread replicas quantize here).
 
 Fault injection: ``kill(name)`` (a real SIGKILL of a worker process, or a
 thread replica marked dead) and ``corrupt(name, n)``.
@@ -33,6 +34,7 @@ from mixrl.config.run import RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.runtime.backends.embedded.formats import format_key, quantizer, serving_profile
 from mixrl.runtime.backends.embedded.process import ProcessSampler
+from mixrl.runtime.backends.embedded.slots import QuantizeSlots
 from mixrl.runtime.backends.embedded.threads import (
     EmbeddedTrainer,
     ThreadSampler,
@@ -48,8 +50,11 @@ __all__ = ["EmbeddedBackend", "EmbeddedTrainer", "ProcessSampler", "ThreadSample
 class EmbeddedBackend(Backend):
     name = "embedded"
 
-    def __init__(self, cfg: RunConfig, model_path: str, loss_cfg: Any, *, workers: str | None = None):
+    def __init__(self, cfg: RunConfig, model_path: str, loss_cfg: Any, *, workers: str | None = None,
+                 quantize_slots: int | None = None):
         self.cfg, self.model_path, self.loss_cfg = cfg, model_path, loss_cfg
+        # worker processes quantizing at once (None: one per usable core), see ``slots``
+        self.quantize_slots = QuantizeSlots(quantize_slots)
         self.workers = workers or getattr(cfg.runtime, "sampler_workers", "process")
         if self.workers not in ("process", "thread"):
             raise ValueError(f"runtime.sampler_workers must be 'process' or 'thread', got {self.workers!r}")
@@ -85,7 +90,7 @@ class EmbeddedBackend(Backend):
         seed = replica_seed(self.cfg.runtime.seed, name)
         h: ProcessSampler | ThreadSampler
         if self.workers == "process":
-            h = ProcessSampler(name, group, fmt, prof if fmt is not None else None)
+            h = ProcessSampler(name, group, fmt, prof if fmt is not None else None, self.quantize_slots)
             await h.start(self.model_path, serve, seed, self.cfg.runtime.torch_threads)
         else:
             from mixrl.sampling.batching import BatchingSampler

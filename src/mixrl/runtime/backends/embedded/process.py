@@ -18,7 +18,8 @@ quantizes the mapped base version with the group's profile and writes the
 changed tensors into the format's file; every replica of the format waits for
 that, then maps the file. One quantization per (version, format), each in
 a worker process, so the formats of one version are built in parallel and never
-hold the trainer's interpreter.
+hold the trainer's interpreter; the backend's ``QuantizeSlots`` bounds how many
+run at once (one per core, the slowest format first).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.fleet.shared_weights import SharedVersion
+from mixrl.runtime.backends.embedded.slots import QuantizeSlots
 from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
 
 START_TIMEOUT_S = 600.0  # a loaded 2-core machine can take minutes to import torch and build an engine
@@ -54,10 +56,12 @@ def mp_context() -> Any:
 
 
 class ProcessSampler(SamplerHandle):
-    def __init__(self, name: str, group: str, fmt: str | None = None, quant_profile: Any = None):
+    def __init__(self, name: str, group: str, fmt: str | None = None, quant_profile: Any = None,
+                 slots: QuantizeSlots | None = None):
         self.name, self.group = name, group
         # this replica's weight format (None: base weights) and the profile that quantizes into it
         self.fmt, self.quant_profile = fmt, quant_profile
+        self.slots = slots  # shared by one backend's workers: how many quantize at once
         self.dead = False
         self.load_s: list[float] = []  # the worker's own load time per version
         self._corrupt = 0
@@ -171,9 +175,11 @@ class ProcessSampler(SamplerHandle):
         try:
             man = sv.manifest()
             if self.fmt is not None:
+                fmt = self.fmt
 
                 async def produce(base: Any, path: Any) -> tuple[Any, float]:
-                    man, secs = await self._call("quant", (base, str(path)))
+                    async with self.slots.slot(fmt) if self.slots is not None else contextlib.nullcontext():
+                        man, secs = await self._call("quant", (base, str(path)))
                     return man, secs
 
                 man = (await sv.build_format_async(self.fmt, produce))[0]
