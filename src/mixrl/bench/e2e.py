@@ -16,11 +16,16 @@ Three measurements in one invocation, all on the bundled policy:
 3. **weight publication**: from publish to every replica serving the new
    version, on an idle fleet of worker processes (the demo's four groups, and
    one BF16 replica): the version written once into shared memory, quantized
-   once per format (by the first worker process of that format, so the
-   formats are built in parallel), mapped by every replica. Against the floor, one state-dict
-   copy plus one quantization per format in the fleet: ``publish_over_floor``
-   (goal <= 1.5); ``publish_over_copy`` is kept for comparison with older runs.
-   The JSON also gives each replica's own load time (``engine_load_s``).
+   once per format (by the first worker process of that format; at most one
+   quantizing per core, ``quantize_slots``, the slowest format first), mapped by
+   every replica. ``publish_s`` spans the whole publication: the copy into
+   shared memory, the quantizations and every replica's engine load, until the
+   last replica serves the version. Against the floor, one state-dict copy plus
+   one quantization per format in the fleet, each measured alone:
+   ``publish_over_floor`` (goal <= 1.5); ``publish_over_copy`` is kept for
+   comparison with older runs. The JSON also gives each replica's own load time
+   (``engine_load_s``) and each format's quantization as it ran in the
+   publication (``quantize_in_run_s``).
 
 ``load_avg`` is the machine's load average at the end (the ratios are measured
 side by side, but a busy machine moves them).
@@ -149,6 +154,7 @@ def measure_publish(base: list[str], model_path: str, groups: list[str] | None, 
         await backend.shutdown()
         return {"replicas": len(specs), "groups": [g.name for g in cfg.fleet.groups],
                 "publish_s": statistics.median(lat), "formats": sorted(formats),
+                "quantize_slots": backend.quantize_slots.n,
                 "quantize_in_run_s": {f: statistics.median(q.get(f, float("nan")) for q in quant) for f in formats},
                 "engine_load_s": load_s}
 
