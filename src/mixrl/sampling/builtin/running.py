@@ -113,6 +113,7 @@ class Running:
     def _need(self, r: GenerationRequest) -> int:
         return min(r.params.max_new_tokens, self.e.max_context - len(r.prompt_ids))
 
+    @torch.inference_mode()
     def fill(self, max_rows: int | None = None) -> int:
         """Admit the queued requests that fit (at most ``max_rows`` rows in all, and the
         engine's ``max_batch`` and ``max_batch_tokens``); returns how many joined."""
