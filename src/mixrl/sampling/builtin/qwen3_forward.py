@@ -3,9 +3,9 @@
 Math of ``transformers``' Qwen3 (arXiv 2505.09388): pre-norm decoder layers,
 RMSNorm, per-head RMSNorm on q and k before RoPE, grouped-query attention,
 SwiGLU MLP, tied or untied ``lm_head``. The *kernels* are ours on purpose:
-a fused qkv matmul with weights prepacked for oneDNN (``linear.py``), the
-SwiGLU activation and product and both residual adds fused into GEMM
-epilogues, the attention scale folded into the q-norm weights, a preallocated
+fused qkv and gate/up matmuls on weights laid out once for their GEMM
+(``linear.py``), both residual adds in the GEMMs' accumulators, the attention
+scale folded into the q-norm weights, a preallocated
 cache written in place one step at a time, RoPE from a precomputed table, so
 that a sampler differs from the trainer's full-sequence HF forward the way a
 real inference engine does.
@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from mixrl.sampling.builtin.kv_cache import KVCache
-from mixrl.sampling.builtin.linear import PackedLinear
+from mixrl.sampling.builtin.linear import PackedLinear, SwiGLU
 from mixrl.sampling.builtin.precision import Precision
 
 SUPPORTED_MODEL_TYPES = ("qwen3",)
+DECODE_ATTN = "bmm"  # decode attention kernel: "bmm" (grouped matmuls, HF eager order) | "sdpa"
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,7 @@ class Layer:
     qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm * D^-0.5 per query head, then k_norm per kv head
     qkv: PackedLinear  # [(Hq + 2 Hkv) D, H] (+ bias when config.attention_bias)
     o: PackedLinear  # [H, Hq D]
-    gate: PackedLinear  # [I, H]
-    up: PackedLinear  # [I, H]
+    mlp: SwiGLU  # gate and up [I, H]
     down: PackedLinear  # [H, I]
 
 
@@ -152,8 +152,7 @@ def build_weights(
                 ]).to(dt),  # fmt: skip
                 qkv=PackedLinear(torch.cat([lin(a + f"{n}_proj.weight") for n in "qkv"]), b_qkv, batch_hint),
                 o=PackedLinear(lin(a + "o_proj.weight"), b_o, batch_hint),
-                gate=PackedLinear(lin(p + "mlp.gate_proj.weight"), None, batch_hint),
-                up=PackedLinear(lin(p + "mlp.up_proj.weight"), None, batch_hint),
+                mlp=SwiGLU(lin(p + "mlp.gate_proj.weight"), lin(p + "mlp.up_proj.weight"), batch_hint),
                 down=PackedLinear(lin(p + "mlp.down_proj.weight"), None, batch_hint),
             )
         )
@@ -216,6 +215,8 @@ def _decode_attention(
     B, _, Hq, D = q.shape
     Hkv = k.shape[1]
     qg = q.view(B, Hkv, Hq // Hkv, D)  # [B, Hkv, G, D]
+    if DECODE_ATTN == "sdpa":
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=bias, scale=1.0).view(B, 1, Hq * D)
     s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G, S]
     if bias is not None:
         s.add_(bias)
@@ -261,7 +262,7 @@ def forward(
             ).transpose(1, 2).reshape(B, T, Hq * D)  # [B, T, Hq D]
         x = L.o.plus(_act(a, prec), x)  # x + o(a)
         h = _act(rms_norm(x, L.ln2, shape.eps), prec)
-        x = L.down.plus(_act(L.up.times(h, L.gate.silu(h)), prec), x)  # x + down(silu(gate(h)) * up(h))
+        x = L.down.plus(_act(L.mlp(h), prec), x)  # x + down(silu(gate(h)) * up(h))
     return rms_norm(x[:, -1], w.norm, shape.eps)  # [B, H]
 
 
