@@ -1,51 +1,108 @@
-"""``WeightBroadcast`` over gloo on CPU (the NCCL path differs only in device and backend)."""
+"""Weights by broadcast over gloo on CPU (the NCCL path differs only in device and backend).
+
+- a channel (two-rank group on a private store) carries versions bit-exact, the layout
+  only when it changes; ``Sender`` holds the newest versions and refuses evicted ones;
+- a Ray run with ``runtime.ray.weight_transport = "broadcast"``: every replica receives
+  its versions over its own channel from the trainer actor, a replica killed mid-run is
+  replaced (its channel alone is lost) and the run completes with nothing lost.
+"""
 
 from __future__ import annotations
 
-import os
-import socket
+import asyncio
+import threading
+from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from mixrl.fleet.broadcast import Sender, WeightBroadcast, join, listen, open_channel
 
 
 def _versions() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     base = {"a.weight": torch.randn(3, 5, generator=g), "b.bias": torch.randn(7, generator=g).to(torch.bfloat16),
             "empty": torch.zeros(0), "step": torch.tensor(3, dtype=torch.int64)}
-    return [base, {k: (v + 1 if v.is_floating_point() else v + 1) for k, v in base.items()}]
+    v2 = {k: v + 1 for k, v in base.items()}
+    v3 = {**v2, "c.weight": torch.randn(2, 2, generator=g)}  # a new layout
+    return [base, v2, v3]
 
 
-def _rank(rank: int, world: int, port: int, out: dict[int, bool]) -> None:
-    from mixrl.fleet.broadcast import WeightBroadcast
-
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        wb = WeightBroadcast(src=0)
-        ok = True
-        for sd in _versions():
-            if rank == 0:
-                wb.send(sd)
-            else:
-                got = wb.recv()
-                ok &= set(got) == set(sd) and all(got[k].dtype == sd[k].dtype and torch.equal(got[k], sd[k]) for k in sd)
-        out[rank] = ok
-    finally:
-        dist.destroy_process_group()
+def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
+    return set(got) == set(want) and all(
+        got[k].dtype == want[k].dtype and got[k].shape == want[k].shape and torch.equal(got[k], want[k]) for k in want)
 
 
-def test_two_versions_reach_every_rank_bit_exact() -> None:
-    world = 3
-    with mp.Manager() as m:
-        out = m.dict()
-        mp.spawn(_rank, args=(world, _free_port(), out), nprocs=world, join=True)
-        assert dict(out) == dict.fromkeys(range(world), True)
+def test_a_channel_carries_versions_bit_exact_and_the_layout_only_when_it_changes() -> None:
+    store = listen("127.0.0.1", timeout_s=30)
+    received: list[dict[str, torch.Tensor]] = []
+    layouts: list[Any] = []
+
+    def replica() -> None:
+        wb = join("127.0.0.1", int(store.port))
+        for _ in range(3):
+            received.append(wb.recv())
+            layouts.append(wb.layout)
+
+    t = threading.Thread(target=replica)
+    t.start()
+    sender = WeightBroadcast(open_channel(0, store=store, timeout_s=30), src=0)
+    sent_layout_bytes = []
+    real = sender._bcast
+
+    def counting(x: torch.Tensor) -> None:
+        if x.dtype == torch.int64 and x.numel() == 2:
+            sent_layout_bytes.append(int(x[0]))  # the header: layout bytes that follow, buffer size
+        real(x)
+
+    sender._bcast = counting  # type: ignore[method-assign]
+    for sd in _versions():
+        sender.send(sd)
+    t.join(timeout=30)
+    assert len(received) == 3 and all(_same(g, w) for g, w in zip(received, _versions(), strict=True))
+    assert sent_layout_bytes[0] > 0 and sent_layout_bytes[1] == 0 and sent_layout_bytes[2] > 0
+    assert layouts[0] is layouts[1] and layouts[2] is not layouts[1]
+
+
+def test_sender_holds_the_newest_versions_and_names_what_it_lacks() -> None:
+    s = Sender(keep=2)
+    for v in (1, 2, 3):
+        s.hold(v, _versions()[0])
+    assert sorted(s.held) == [2, 3]
+    with pytest.raises(KeyError, match="version 1 is no longer held"):
+        s.send("a/0", 1)
+    with pytest.raises(KeyError, match="no weights channel to replica 'a/0'"):
+        s.send("a/0", 3)
+
+
+@pytest.mark.ray
+def test_ray_run_over_broadcast_channels_survives_a_killed_replica(tiny_policy: Path, tmp_path: Path) -> None:
+    pytest.importorskip("ray")
+    from mixrl.runtime.run import train
+
+    from .test_run import B, G, assert_complete_and_unique, metrics, tiny_cfg
+
+    seen: dict[str, Any] = {}
+
+    async def hook(orch: Any) -> None:
+        async def chaos() -> None:
+            while orch.step < 1:
+                await asyncio.sleep(0.01)
+            seen["joined"] = {n: h._joined for n, h in orch.backend.samplers.items()}
+            seen["stored"] = type(orch.fleet.store.get()[1]).__name__
+            orch.backend.kill("fp32/0")
+
+        asyncio.ensure_future(chaos())
+
+    cfg = tiny_cfg(tiny_policy, tmp_path, runtime={"steps": 3, "backend": "ray", "checkpoint_every": 0,
+                                                    "ray": {"weight_transport": "broadcast"}})
+    s = train(cfg, evaluate=False, hook=hook)
+    assert s["steps"] == 3
+    assert seen["stored"] == "Broadcast"  # the store holds version numbers, not object references
+    assert seen["joined"] and all(seen["joined"].values()), seen  # every replica has its channel
+    assert_complete_and_unique(tmp_path, 3)
+    ms = metrics(tmp_path)
+    assert ms[-1]["fleet/replica_failures"] >= 1
+    assert sum(m["rollout/infra_failed"] for m in ms) == 0
+    assert sum(m["rollout/episodes"] for m in ms) == 3 * B * G

@@ -205,6 +205,7 @@ class RayConfig(_Section):
 
     address: str | None = Field(default=None, description="cluster to join; None = $RAY_ADDRESS or a new local cluster")
     num_cpus: int | None = Field(default=None, ge=1, le=4096, description="CPUs of a new local cluster")
+    weight_transport: Literal["object_store", "broadcast"] = Field(default="object_store", description="how each weights version reaches the replicas: the object store (written once, quantized once per format), or broadcast over a process group from the trainer actor to each replica (NCCL between GPUs, else gloo; replicas quantize on load)")
 
 
 class EvalConfig(_Section):

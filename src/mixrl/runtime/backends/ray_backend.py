@@ -1,6 +1,6 @@
 """Ray backend: sampler replicas and the trainer as Ray actors.
 
-This is the only module that imports Ray. The orchestrator is the same as
+This module (with ``ray_auth``) is the only one that imports Ray. The orchestrator is the same as
 in-process; only the handles differ:
 
 - a sampler replica is an async actor holding an engine behind a
@@ -15,6 +15,10 @@ in-process; only the handles differ:
   object, and every replica of the format loads base + that object, running its
   engine with the weight format switched off (bit-identical to quantizing on
   load);
+- or, with ``runtime.ray.weight_transport = "broadcast"``, no object store: the
+  trainer actor keeps its newest versions and sends each replica the one it asks
+  for over that replica's own two-rank process group (``fleet.broadcast``: NCCL
+  between GPUs, gloo otherwise); the replica's engine quantizes on load;
 - a dead actor (``ray.kill``, a crashed process) raises ``RayActorError``,
   which the handle turns into ``ReplicaFailure`` so the fleet's failover path
   takes over.
@@ -31,22 +35,16 @@ logical CPUs as the fleet needs at its largest (its cores are time-shared, as
 in the embedded backend).
 
 Authentication: every cluster runs with Ray's token authentication
-(``RAY_AUTH_MODE=token``); mixrl never opts out. ``start`` joins
-``runtime.ray.address`` or ``$RAY_ADDRESS`` when set, with the token from
-``$RAY_AUTH_TOKEN``, the file ``$RAY_AUTH_TOKEN_PATH`` or Ray's default
-``~/.ray/auth_token``; the token is checked against the cluster's GCS first
-(one gRPC call with a deadline), so a missing or wrong token is one clear
-``RayAuthError`` line instead of Ray's ~20 s of reconnect warnings. Without
-an address it starts a local cluster: token auth on (Ray generates the token
-into ``~/.ray/auth_token`` when none exists), no dashboard, a private
-temporary directory.
+(``ray_auth``; mixrl never opts out). ``start`` joins ``runtime.ray.address``
+or ``$RAY_ADDRESS`` when set, its token checked first; without an address it
+starts a local cluster: token auth on, no dashboard, a private temporary directory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import re
 import tempfile
 from typing import Any
 
@@ -56,9 +54,11 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mixrl.config.run import ConfigError, RunConfig
+from mixrl.fleet.broadcast import Broadcast
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.rollout.types import Trajectory
 from mixrl.runtime.backends.format_refs import FormatRefs
+from mixrl.runtime.backends.ray_auth import RayAuthError, _require_token_mode, check_cluster_token  # noqa: F401
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
 
@@ -134,6 +134,16 @@ class SamplerActor:
     async def load_weights(self, state_dict: Any, version: int, quantized: Any = None) -> None:
         await self.sampler.load_weights({**state_dict, **quantized} if quantized else state_dict, version)
 
+    async def channel_join(self, host: str, port: int, device: str) -> None:
+        """Rank 1 of this replica's weights channel to the trainer (broadcast transport)."""
+        from mixrl.fleet.broadcast import join
+
+        self.channel = await asyncio.to_thread(join, host, port, device)
+
+    async def recv_weights(self, version: int) -> None:
+        """One version over the channel (the trainer sends it meanwhile), loaded."""
+        await self.sampler.load_weights(await asyncio.to_thread(self.channel.recv), version)
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -157,6 +167,26 @@ class TrainerActor:
     def weights(self) -> dict[str, Any]:
         return self.trainer.state_dict_for_samplers()  # detached CPU copies
 
+    # -- broadcast transport (fleet.broadcast.Sender): versions stay here until sent
+    def publish(self) -> int:
+        return self._sender().hold(int(self.trainer.version), self.trainer.state_dict_for_samplers())
+
+    def channel_open(self, name: str, device: str) -> tuple[str, int]:
+        return self._sender().open(name, ray.util.get_node_ip_address(), device)
+
+    def send_weights(self, name: str, version: int) -> None:
+        self._sender().send(name, version)
+
+    def channel_close(self, name: str) -> None:
+        self._sender().close(name)
+
+    def _sender(self) -> Any:
+        if getattr(self, "sender", None) is None:
+            from mixrl.fleet.broadcast import Sender
+
+            self.sender = Sender()
+        return self.sender
+
     def state(self) -> dict[str, Any]:
         from mixrl.runtime.trainer_state import trainer_state
 
@@ -174,62 +204,6 @@ class TrainerActor:
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
-
-
-class RayAuthError(ConfigError):
-    """The cluster cannot be joined with the token at hand (one line, names the variables)."""
-
-
-_TOKEN_VARS = "RAY_AUTH_TOKEN (the token) or RAY_AUTH_TOKEN_PATH (a file holding it)"
-_HOST_PORT = re.compile(r"^\[?[A-Za-z0-9.:-]+\]?:\d+$")
-
-
-def _require_token_mode() -> None:
-    """Token auth on for this process and every process it starts (raylets, workers)."""
-    from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR
-    from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]
-
-    mode = os.environ.get(AUTH_MODE_ENV_VAR, "token").lower()
-    if mode != "token":
-        raise RayAuthError(f"{AUTH_MODE_ENV_VAR}={mode!r}: mixrl runs Ray only with token "
-                           f"authentication; unset it or set {AUTH_MODE_ENV_VAR}=token")
-    os.environ[AUTH_MODE_ENV_VAR] = "token"
-    Config.initialize("")  # Ray caches its config: re-read the mode from the environment
-    AuthenticationTokenLoader.instance().reset_cache()
-
-
-def check_cluster_token(address: str, timeout_s: float = 10.0) -> None:
-    """Ask the GCS at ``address`` to accept this process's token; ``RayAuthError`` if it does not.
-
-    One unary call (``GetClusterId``) with a deadline: an unreachable address or a
-    refused token is reported at once. Addresses that are not ``host:port``
-    (``auto``, ``ray://``) are left to Ray.
-    """
-    import grpc
-    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]
-    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
-
-    loader = AuthenticationTokenLoader.instance()
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    if not os.environ.get("RAY_AUTH_TOKEN") and path and not os.path.isfile(path):
-        raise RayAuthError(f"joining the Ray cluster at {address}: RAY_AUTH_TOKEN_PATH={path} is not a file; "
-                           f"set {_TOKEN_VARS}")
-    if not loader.has_token(ignore_auth_mode=True):
-        raise RayAuthError(f"joining the Ray cluster at {address} needs its auth token: set {_TOKEN_VARS}")
-    if not _HOST_PORT.match(address):
-        return
-    metadata = list(loader.get_token_for_http_header().items())
-    with grpc.insecure_channel(address) as channel:
-        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
-        try:
-            request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]
-            stub.GetClusterId(request, timeout=timeout_s, metadata=metadata)
-        except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise RayAuthError(f"the Ray cluster at {address} refused the auth token: set {_TOKEN_VARS} "
-                                   "to the cluster's token") from None
-            raise RayAuthError(f"the Ray cluster at {address} did not answer within {timeout_s:g} s "
-                               f"({e.code().name}): check runtime.ray.address / RAY_ADDRESS") from None
 
 
 @ray.remote(**_ACTOR_OPTS)
@@ -312,9 +286,11 @@ def _replica_error(e: BaseException, name: str) -> BaseException:
 
 class RaySampler(SamplerHandle):
     def __init__(self, name: str, group: str, actor: Any, pg: Any = None, fmt: str | None = None,
-                 formats: FormatRefs | None = None):
+                 formats: FormatRefs | None = None, trainer: Any = None, device: str = "cpu"):
         self.name, self.group, self.actor, self.pg = name, group, actor, pg
         self.fmt, self.formats = fmt, formats if formats is not None else FormatRefs()
+        self.trainer, self.device = trainer, device  # broadcast transport: the trainer actor
+        self._joined = False
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         try:
@@ -323,6 +299,9 @@ class RaySampler(SamplerHandle):
             raise _replica_error(e, self.name) from e
 
     async def load_weights(self, ref: Any, version: int) -> None:
+        if isinstance(ref, Broadcast):
+            await self._receive(ref.version)
+            return
         try:
             if self.fmt is None:
                 await self.actor.load_weights.remote(ref, version)  # Ray resolves ref in the actor
@@ -342,15 +321,30 @@ class RaySampler(SamplerHandle):
                 self.formats.drop(version, self.fmt, self.formats.refs.get((version, self.fmt)))
             raise _replica_error(e, self.name) from e
 
+    async def _receive(self, version: int) -> None:
+        """Broadcast transport: the trainer actor sends ``version`` over this replica's channel."""
+        try:
+            if not self._joined:
+                host, port = await self.trainer.channel_open.remote(self.name, self.device)
+                await self.actor.channel_join.remote(host, port, self.device)
+                self._joined = True
+            sent = self.trainer.send_weights.remote(self.name, version)
+            await asyncio.gather(self.actor.recv_weights.remote(version), sent)
+        except (RayActorError, RayTaskError) as e:
+            raise _replica_error(e, self.name) from e
+
     async def close(self) -> None:
+        if self._joined:
+            with contextlib.suppress(Exception):  # the trainer may be gone already
+                await self.trainer.channel_close.remote(self.name)
         ray.kill(self.actor, no_restart=True)
         if self.pg is not None:
             remove_placement_group(self.pg)
 
 
 class RayTrainer(TrainerHandle):
-    def __init__(self, actor: Any, pg: Any = None):
-        self.actor, self.pg = actor, pg
+    def __init__(self, actor: Any, pg: Any = None, broadcast: bool = False):
+        self.actor, self.pg, self.broadcast = actor, pg, broadcast
 
     async def step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
         return await self.actor.step.remote(trajectories, advantages)
@@ -359,6 +353,8 @@ class RayTrainer(TrainerHandle):
         return await self.actor.version.remote()
 
     async def weights(self) -> Any:
+        if self.broadcast:
+            return Broadcast(await self.actor.publish.remote())
         # The reference itself is what the weight store holds: the data stays in the object
         # store (actor calls run in order, so this is the state after the last step).
         return self.actor.weights.remote()
@@ -387,6 +383,7 @@ class RayBackend(Backend):
         self.trainer: Any = None
         self._started_here = False
         self.formats = FormatRefs()  # one quantization per (version, format), in the object store
+        self.broadcast = cfg.runtime.ray.weight_transport == "broadcast"
         self._tied: bool | None = None
 
     def _is_tied(self) -> bool:
@@ -425,6 +422,9 @@ class RayBackend(Backend):
     async def make_trainer(self) -> TrainerHandle:
         b = self._trainer_bundle()
         world = self.cfg.trainer.world_size
+        if self.broadcast and world > 1:
+            raise ConfigError("runtime.ray.weight_transport = \"broadcast\" needs trainer.world_size = 1, "
+                              f"got {world}")
         if world > 1:  # FSDP2 ranks: one actor per bundle of one placement group
             pg = await _placed([b] * world, "PACK", "mixrl-trainer-ranks")
             actors = [RankActor.options(**_actor_options(pg, i, b)).remote()  # type: ignore[attr-defined]
@@ -440,7 +440,7 @@ class RayBackend(Backend):
             self.cfg.model_dump(mode="json"), self.model_path, self.loss_cfg
         )
         await actor.version.remote()  # raises here if the trainer cannot be built
-        self.trainer = RayTrainer(actor, pg)
+        self.trainer = RayTrainer(actor, pg, self.broadcast)
         return self.trainer
 
     async def make_sampler(self, group: str, name: str) -> SamplerHandle:
@@ -448,7 +448,8 @@ class RayBackend(Backend):
         from mixrl.runtime.backends.inprocess import group_profile, replica_seed
 
         prof = group_profile(self.cfg, group)
-        fmt = format_key(prof, self._is_tied())  # None: the engine quantizes on load itself
+        # None: the engine quantizes on load itself (always, when versions come by broadcast)
+        fmt = None if self.broadcast else format_key(prof, self._is_tied())
         g = next(x for x in self.cfg.fleet.groups if x.name == group)
         b = bundle(g.num_cpus, g.num_gpus, g.memory_gb, g.accelerator_type)
         pg = await _placed([b], "STRICT_PACK", f"mixrl-{name}")
@@ -462,7 +463,11 @@ class RayBackend(Backend):
             if pg is not None:
                 remove_placement_group(pg)
             raise ReplicaFailure(f"replica {name} could not start: {e}") from e
-        h = RaySampler(name, group, actor, pg, fmt, self.formats)
+        device = "cuda" if g.num_gpus > 0 and self.cfg.trainer.num_gpus > 0 else "cpu"  # NCCL GPU to GPU
+        trainer = self.trainer.actor if self.broadcast and self.trainer is not None else None
+        if self.broadcast and trainer is None:
+            raise ReplicaFailure(f"replica {name}: the broadcast transport needs the trainer actor first")
+        h = RaySampler(name, group, actor, pg, fmt, self.formats, trainer, device)
         self.samplers[name] = h
         return h
 
