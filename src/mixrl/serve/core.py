@@ -17,6 +17,8 @@ a session of its own.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -66,6 +68,10 @@ class ServeCore:
         self.record, self.tool_parser = record, tool_parser
         self.sessions = SessionStore(chat)
         self.counts = {"requests": 0, "errors": 0, "generated_tokens": 0}
+        # response ids: unique per server (a random prefix, then a counter), without a
+        # system call per request as uuid4 makes
+        prefix = os.urandom(6).hex()
+        self._ids = (f"{prefix}{i:012x}" for i in itertools.count())
 
     # -- parameters ------------------------------------------------------------------
     def _params(self, body: dict[str, Any], prompt_len: int, st: Any = None) -> tuple[SamplingParams, int, list[str]]:
@@ -126,7 +132,10 @@ class ServeCore:
         reqs = [GenerationRequest(list(base.tokens), params if params.seed is None or i == 0 else
                                   SamplingParams(**{**params.__dict__, "seed": (params.seed + i) & 0xFFFFFFFF}),
                                   request_id=f"{session}/{len(base.tokens)}/{i}") for i in range(n)]
-        results = await asyncio.gather(*(self.generate(session, r) for r in reqs))
+        if n == 1:
+            results = [await self.generate(session, reqs[0])]
+        else:
+            results = await asyncio.gather(*(self.generate(session, r) for r in reqs))
         for r in results:
             if r.finish_reason in ("error", "numerical_error", "context_exceeded"):
                 raise ApiError(503, f"the sampler failed: {r.finish_reason} {r.error}".strip(),
@@ -177,7 +186,7 @@ class ServeCore:
             self.sessions.finish(session)
         self.counts["requests"] += 1
         gen = sum(len(r[1]) for r in recorded)
-        return {"id": f"chatcmpl-{uuid.uuid4().hex[:24]}", "object": "chat.completion", "created": int(time.time()),
+        return {"id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model, "choices": choices,
                 "usage": {"prompt_tokens": len(base.tokens), "completion_tokens": gen,
                           "total_tokens": len(base.tokens) + gen},
@@ -210,6 +219,6 @@ class ServeCore:
                             "logprobs": None})
         self.counts["requests"] += 1
         self.counts["generated_tokens"] += gen
-        return {"id": f"cmpl-{uuid.uuid4().hex[:24]}", "object": "text_completion", "created": int(time.time()),
+        return {"id": f"cmpl-{next(self._ids)}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model, "choices": choices,
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": gen, "total_tokens": len(ids) + gen}}
