@@ -92,7 +92,8 @@ class BatchingSampler(Sampler):
         self.idle = None if idle_ms is None else idle_ms / 1000.0
         self._runs: collections.deque[float] = collections.deque(maxlen=8)  # recent batches' seconds
         self.failure: BaseException | None = None  # set once: FAILED
-        self.batches = 0  # batches run, for tests and metrics
+        self.batches = 0  # batches run (continuous: prefills), for tests and metrics
+        self.steps = 0  # decode steps of continuous batches
         self._queue: asyncio.Queue[_Item] | None = None
         self._task: asyncio.Task[None] | None = None
         self._carry: _Item | None = None  # an item taken while collecting, handled next
@@ -103,6 +104,7 @@ class BatchingSampler(Sampler):
         self._inbox: collections.deque[_Item] = collections.deque()
         self._admitting = False
         self._stop = False
+        self._flight: set[_Item] = set()  # admitted to a continuous batch, result not yet delivered
 
     @property
     def version(self) -> int:
@@ -119,12 +121,20 @@ class BatchingSampler(Sampler):
     async def close(self) -> None:
         """Stop the background task; pending calls raise ReplicaFailure."""
         self._stop = True  # a running batch ends at its next step
+        with self._lock:
+            self._admitting = False
+            left = list(self._inbox) + list(self._flight)
+            self._inbox.clear()
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        self._fail_all(ReplicaFailure(f"sampler {self.group!r} closed"))
+        failure = ReplicaFailure(f"sampler {self.group!r} closed")
+        for b in left:
+            if not b.future.done():
+                b.future.set_exception(failure)
+        self._fail_all(failure)
 
     # ------------------------------------------------------------------ internals
     def _submit(self, item: _Item) -> asyncio.Future[Any]:
@@ -219,7 +229,7 @@ class BatchingSampler(Sampler):
                 batch.append(item)
         self._inbox.extend(batch)
         self._admitting, self._stop = self._carry is None, False
-        flight: set[_Item] = set()  # admitted, result not yet delivered
+        flight = self._flight = set()
         start = time.perf_counter()
         self._longest = 0.0
         try:
@@ -240,6 +250,7 @@ class BatchingSampler(Sampler):
             with self._lock:
                 take = list(self._inbox)
                 self._inbox.clear()
+                flight.update(take)
                 if not take and run.idle:
                     self._admitting = False
                     return
@@ -247,7 +258,6 @@ class BatchingSampler(Sampler):
                 now = time.perf_counter()
                 for it in take:
                     it.waited = now - it.enqueued
-                flight.update(take)
                 done = run.add([(it, it.request) for it in take])
                 if done:
                     self._post(loop, flight, done)
@@ -255,13 +265,15 @@ class BatchingSampler(Sampler):
             run.fill(self.max_batch)
             self.batches += run.cohorts - before
             if run.rows:
+                self.steps += 1
                 done = run.step()
                 if done:
                     self._post(loop, flight, done)
 
     def _post(self, loop: asyncio.AbstractEventLoop, flight: set[_Item], done: list[tuple[Any, Any]]) -> None:
-        for it, _ in done:
-            flight.discard(it)
+        with self._lock:
+            for it, _ in done:
+                flight.discard(it)
         with contextlib.suppress(RuntimeError):  # the loop closed under a stopping sampler
             loop.call_soon_threadsafe(self._deliver, done)
 

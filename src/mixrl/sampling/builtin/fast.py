@@ -14,8 +14,8 @@ A *path* is what ``BuiltinEngine`` decodes with. Both paths (this one and
 - ``batch.absorb(other, col, need, max_rows)`` -> shift: rows joining a running
   batch (``other``: a ``begin`` of their prompts) so that their prompts end at its
   column ``col - 1``; the old rows' columns move right by ``shift`` (when the new
-  prompts are longer than ``col``); ``batch.trim(cols)``: forget leading columns
-  that are padding for every row; ``batch.can_absorb`` says whether rows can join;
+  prompts are longer than ``col``); ``batch.trim(cols)`` -> columns forgotten: leading
+  columns that are padding for every row; ``batch.can_absorb`` says whether rows can join;
 - ``logits(w, hidden)`` -> float32 [b, V].
 
 This path applies only to ``model_type == "qwen3"`` (``applies``); every other
@@ -91,8 +91,8 @@ class _FastBatch:
     def absorb(self, other: _FastBatch, col: int, need: int, max_rows: int) -> int:
         return self.cache.absorb(other.cache, col, need, max_rows)
 
-    def trim(self, cols: int) -> None:
-        self.cache.trim(cols)
+    def trim(self, cols: int) -> int:
+        return self.cache.trim(cols)
 
     def routing(self) -> None:
         return None

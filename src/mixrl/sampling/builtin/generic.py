@@ -165,10 +165,13 @@ class _GenericBatch:
             self._route = torch.cat([self._route, other._route])
         return shift
 
-    def trim(self, cols: int) -> None:
+    def trim(self, cols: int) -> int:
+        if not self.can_absorb:  # a sliding-window layer counts its columns: leave them
+            return 0
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys[:, :, cols:], layer.values[:, :, cols:]
         self.am = self.am[:, cols:]
+        return cols
 
     def routing(self) -> torch.Tensor | None:
         return self._route

@@ -77,11 +77,12 @@ class KVCache:
             t[:n, :, o : o + u] = t[: self.rows, :, o : o + u].index_select(0, rows)
         self.rows = n
 
-    def trim(self, cols: int) -> None:
-        """Forget the first ``cols`` logical columns (padding for every row)."""
+    def trim(self, cols: int) -> int:
+        """Forget the first ``cols`` logical columns (padding for every row); returns how many."""
         cols = min(cols, self.used)
         self.origin += cols
         self.used -= cols
+        return cols
 
     def absorb(self, other: KVCache, col: int, need: int, max_rows: int) -> int:
         """Append ``other``'s rows (a prefill that wrote its logical columns [0, P)) so that

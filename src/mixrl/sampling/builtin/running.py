@@ -206,8 +206,8 @@ class Running:
         assert self.hidden is not None
         self.hidden = self.hidden.index_select(0, idx)
         lo = int(self.t["start"].min()) if keep else 0
-        if lo > 0:
-            self.batch.trim(lo)
+        lo = self.batch.trim(lo) if lo > 0 else 0
+        if lo:
             self.t["start"] = self.t["start"] - lo
             self.col -= lo
         return tuple(x.index_select(0, idx) for x in extra)
