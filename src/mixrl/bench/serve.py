@@ -18,8 +18,12 @@ same batching window):
 Requests carry the same seeds in both arms, so they sample the same tokens
 (``same_tokens`` checks it); ``endpoint_over_direct`` is the ratio of generated
 tokens per second (goal >= 0.8 at 64 concurrent sessions), with requests/s,
-p50/p99 latency, the CPU time of this process per arm and the client's CPU
-per request. Two workloads, each stating its model and reply length:
+p50/p99 latency, the CPU time of this process per arm (``serve_cpu_s``: while
+the endpoint's clients ran, so without the server's start), the engine's
+prefills and decode steps per arm, the client's CPU per request, and
+``server_cpu_ms_per_request`` (the endpoint arm's CPU beyond the direct arm's,
+per request: HTTP, templating, recording, JSON, and any extra engine work from
+requests arriving spread out). Two workloads, each stating its model and reply length:
 
 - the headline: ``--model`` (the shipped bundled policy: replies of a few
   tokens, so per-request HTTP cost weighs most);
@@ -159,6 +163,7 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[s
     while not server.started:
         await asyncio.sleep(0.01)
     url = f"http://127.0.0.1:{port}/v1"
+    steps, cpu = sampler.steps, time.process_time()
     try:
         if args.client_in_process:
             out = await _clients(url, args)
@@ -171,7 +176,10 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[s
             if proc.returncode:
                 raise RuntimeError(f"the client process exited with {proc.returncode}")
             out = json.loads(stdout.decode().strip().splitlines()[-1])
+        # this process while the clients ran (engine and HTTP server; not the server's start)
+        out["serve_cpu_s"] = round(time.process_time() - cpu, 3)
         out["engine_batches"] = sampler.batches - before  # the warm-up request not counted
+        out["engine_steps"] = sampler.steps - steps
         out["history_rewrites"] = core.sessions.history_rewrites
         out["client"] = "in-process" if args.client_in_process else "separate process"
         return out
@@ -229,14 +237,20 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
     await _direct(chat, sampler, argparse.Namespace(**{**vars(args), "sessions": 4, "turns": 1}))  # warm-up
     arms = {}
     for name, arm in (("direct", _direct), ("endpoint", _endpoint), ("direct_again", _direct)):
-        before, cpu = sampler.batches, time.process_time()  # batches: how well concurrent requests were gathered
+        # batches (prefills) and decode steps: how well concurrent requests were gathered
+        before, steps, cpu = sampler.batches, sampler.steps, time.process_time()
         arms[name] = await arm(chat, sampler, args)
         arms[name].setdefault("engine_batches", sampler.batches - before)
+        arms[name].setdefault("engine_steps", sampler.steps - steps)
         arms[name]["process_cpu_s"] = round(time.process_time() - cpu, 3)  # this process: engine, server, asyncio
     direct, endpoint, direct2 = arms["direct"], arms["endpoint"], arms["direct_again"]
     await sampler.close()
     best = max(direct["tokens_per_s"], direct2["tokens_per_s"])
+    n_req = args.sessions * args.turns
+    # the server's own CPU per request: the endpoint arm's CPU here beyond the direct arm's
+    extra = (endpoint["serve_cpu_s"] - min(direct["process_cpu_s"], direct2["process_cpu_s"])) / n_req
     return {"endpoint_over_direct": round(endpoint["tokens_per_s"] / best, 3),
+            "server_cpu_ms_per_request": round(extra * 1e3, 2),
             "requests_over_direct": round(endpoint["requests_per_s"] / max(direct["requests_per_s"],
                                                                            direct2["requests_per_s"]), 3),
             "model": model, "model_params": n_params, "max_tokens": max_tokens,
