@@ -130,3 +130,18 @@ def test_eval_is_deterministic_given_the_seed(tmp_path) -> None:
     c = evaluate(tmp_path, seed=6, max_batch=16, **kw)
     assert {k: a[k] for k in keys} == {k: b[k] for k in keys}
     assert a["mean_generated"] != c["mean_generated"] or a["status"] != c["status"]
+
+
+def test_evaluation_keeps_the_reasons_of_samples_without_reward(mini_model, monkeypatch, caplog) -> None:
+    from mixrl.rollout import evaluate as ev
+    from mixrl.sampling.batching import BatchingSampler
+
+    async def gone(self, request):  # type: ignore[no-untyped-def]
+        raise ConnectionError("replica gone")
+
+    monkeypatch.setattr(BatchingSampler, "generate", gone)
+    with caplog.at_level("WARNING", logger="mixrl.rollout.evaluate"):
+        r = ev.evaluate(mini_model, k=1, n=2, n_tasks=3, seed=0, max_new_tokens=4, num_threads=1)
+    assert r["status"] == {"infra_failed": 6} and r["n_tasks"] == 0 and math.isnan(r["pass@1"])
+    assert r["errors"] == {"generate raised ConnectionError: replica gone": 6}
+    assert "6 of 6 samples have no reward" in caplog.text and "replica gone" in caplog.text

@@ -28,12 +28,14 @@ import asyncio
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16"}
+log = logging.getLogger(__name__)
 
 
 def _tokenizer_for(path: Path) -> Any:
@@ -138,6 +140,7 @@ def evaluate(
     from mixrl.envs.registry import make_env, make_task_source
     from mixrl.models.policy import resolve
     from mixrl.rollout.session import run_episode
+    from mixrl.rollout.types import UNREWARDED
     from mixrl.sampling.base import SamplingParams
     from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
@@ -191,6 +194,12 @@ def evaluate(
     family = {t.prompt_id: t.family for t in tasks}
 
     res = summarize(by_task, k)
+    errors = Counter(str(tr.info.get("error", "no reason recorded")) for tr in trajs if tr.status in UNREWARDED)
+    if errors:
+        # Samples without a reward are left out of pass@k; their reasons must not be lost with them.
+        res["errors"] = dict(errors.most_common(5))
+        log.warning("evaluation: %d of %d samples have no reward; most common reasons: %s",
+                    sum(errors.values()), len(trajs), res["errors"])
     fams = sorted(set(family.values()))
     res["per_family"] = {f: summarize({p: v for p, v in by_task.items() if family[p] == f}, k) for f in fams}
     import torch
