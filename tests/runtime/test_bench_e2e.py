@@ -25,3 +25,8 @@ def test_bench_e2e_json(tiny_policy: Path, tmp_path: Path, capsys: pytest.Captur
     assert res["publish_s"] > 0 and res["copy_s"] > 0
     assert res["trl"]["available"] is False and res["mixrl_over_trl"] is None
     assert res["sync"]["steps"] == res["async"]["steps"] == 3
+    for side in ("sync", "async"):  # where the time goes: the update's CPU, both processes' CPU per step
+        r = res[side]
+        assert 0 < r["train_step_cpu_s"] <= r["train_step_s"] * 1.05 + 1e-3
+        per = r["cpu_s_per_step"]
+        assert per["orchestrator"] >= per["trainer"] > 0 and per["samplers"] > 0

@@ -198,6 +198,7 @@ class Orchestrator:
             loop.add_signal_handler(signal.SIGINT, self.request_stop)
         scaler = asyncio.ensure_future(self.autoscaler.run()) if self.autoscaler else None
         t_start = time.perf_counter() - self.timers["elapsed_s"]
+        self._cpu0 = (time.process_time(), _worker_cpu(self.fleet))
         interrupted = False
         try:
             while self.step < self.cfg.runtime.steps:
@@ -250,6 +251,7 @@ class Orchestrator:
             print(f"the trainer failed at step {self.step}; {where}", file=sys.stderr, flush=True)
             raise
         finally:
+            self._cpu1 = (time.process_time(), _worker_cpu(self.fleet))
             if scaler is not None:
                 scaler.cancel()
             await self.sessions.cancel_all()
@@ -311,12 +313,43 @@ class Orchestrator:
             "trainer_idle_frac": self.timers["wait_s"] / el,
             "timers": dict(self.timers),
             "fleet": self.fleet.metrics(),
+            "cpu": self._cpu_summary(),
             "collapse": self.monitor.summary() if self.monitor is not None else None,
         }
+
+    def _cpu_summary(self) -> dict[str, float | None]:
+        """CPU seconds over the training loop: this process (trainer and event loop), the
+        trainer's updates alone, and the sampler worker processes (None where unknown)."""
+        c0, c1 = getattr(self, "_cpu0", None), getattr(self, "_cpu1", None)
+        train = sum(m.get("perf/train_step_cpu_s", 0.0) for m in self.history)
+        if c0 is None or c1 is None:
+            return {"orchestrator_s": None, "trainer_s": train, "samplers_s": None}
+        (p0, w0), (p1, w1) = c0, c1
+        workers = None if w0 is None or w1 is None else sum(c - w0.get(pid, 0.0) for pid, c in w1.items())
+        return {"orchestrator_s": p1 - p0, "trainer_s": train, "samplers_s": workers}
 
     async def close(self) -> None:
         await self.fleet.close()
         await self.trainer.close()
+
+
+def _worker_cpu(fleet: Fleet) -> dict[int, float] | None:
+    """pid -> CPU seconds (user + system) of every replica that is a process of this machine
+    (None without /proc, or when no replica is a process: thread replicas count in this one)."""
+    import os
+
+    pids = [p for h in fleet.handles.values() if isinstance(p := getattr(h, "pid", None), int) and p > 0]
+    if not pids or not os.path.isdir("/proc"):
+        return None
+    tick, out = os.sysconf("SC_CLK_TCK"), {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the replica is gone: its time since the last reading is not known
+            continue
+        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return out
 
 
 def _cost_model(profiles: dict[str, Any]) -> Any:

@@ -281,7 +281,7 @@ class Trainer:
         strict: bool = False,  # raise on a malformed trajectory instead of dropping it
     ) -> dict[str, float]:
         """One optimizer update (or ``epochs * minibatches`` of them); returns the metrics."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         mode = denom_mode or self.loss_cfg.aggregation
         records, stats = self._prepare(trajectories, advantages, strict)
         frac = self.max_malformed_frac
@@ -323,6 +323,9 @@ class Trainer:
         self.version += 1
         skipped = sum(not math.isfinite(x) for x in norms)
         metrics.update(self._counters(records, stats, norms, skipped, time.perf_counter() - t0))
+        # CPU time of this thread (with one torch thread, the whole update): wall / CPU above 1
+        # means the step waited for a core or for the interpreter lock
+        metrics["perf/train_step_cpu_s"] = time.thread_time() - c0
         metrics.update(self.routing.metrics(stats.group_names))
         return metrics
 
