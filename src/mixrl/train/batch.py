@@ -111,7 +111,7 @@ class TrainBatch:
 def _check(tr: Trajectory, vocab_size: int, cand_kind: str) -> None:
     """Raise ``ValueError`` naming the field if ``tr`` cannot be aligned."""
     tr.validate()
-    if any(m not in (0, 1) for m in tr.loss_mask):
+    if not set(tr.loss_mask) <= {0, 1}:
         raise ValueError(f"Trajectory.loss_mask holds values other than 0/1: {sorted(set(tr.loss_mask))}")
     if tr.tokens and (min(tr.tokens) < 0 or max(tr.tokens) >= vocab_size):
         raise ValueError(f"Trajectory.tokens has ids outside [0, {vocab_size}): "
@@ -134,6 +134,8 @@ def _check(tr: Trajectory, vocab_size: int, cand_kind: str) -> None:
 
 
 def _advantages(adv: float | Sequence[float] | Tensor, n: int) -> Tensor:
+    if isinstance(adv, (int, float)):  # the usual case: one advantage per trajectory
+        return torch.full((n,), float(adv), dtype=torch.float32)
     a = torch.as_tensor(adv, dtype=torch.float32)
     if a.dim() == 0:
         return a.expand(n).clone()
@@ -177,23 +179,26 @@ def prepare(
         if n == 0:
             stats.dropped_empty += 1
             continue
-        mask = torch.tensor(tr.loss_mask, dtype=torch.bool)
-        gen = mask.nonzero().squeeze(1)  # [n]
-        lq = torch.tensor(tr.sampler_logprobs, dtype=torch.float32)[gen]
-        gid = [names.setdefault(tr.groups[t], len(names)) for t in gen.tolist()]
+        # plain lists first, one tensor per field: a step prepares every trajectory of the batch
+        gen_l = [t for t, m in enumerate(tr.loss_mask) if m]  # [n]
+        lq_l = [tr.sampler_logprobs[t] for t in gen_l]
+        gid = [names.setdefault(tr.groups[t], len(names)) for t in gen_l]
         if cand_kind == "none":
             offs, ids, clq = torch.zeros(n + 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0)
         else:
             offs = torch.tensor(tr.cand_offsets, dtype=torch.long)
             ids = torch.tensor(tr.cand_ids, dtype=torch.long)
             clq = torch.tensor(tr.cand_logprobs, dtype=torch.float32)
-        stats.nonfinite_sampler += int((~torch.isfinite(lq)).sum()) + int((~torch.isfinite(clq)).sum())
         records.append(Record(
-            index=i, tokens=torch.tensor(tr.tokens, dtype=torch.long), gen_pos=gen,
-            sampler_logprobs=lq, advantages=a, versions=torch.tensor(tr.versions, dtype=torch.long)[gen],
+            index=i, tokens=torch.tensor(tr.tokens, dtype=torch.long), gen_pos=torch.tensor(gen_l, dtype=torch.long),
+            sampler_logprobs=torch.tensor(lq_l, dtype=torch.float32), advantages=a,
+            versions=torch.tensor([tr.versions[t] for t in gen_l], dtype=torch.long),
             group_ids=torch.tensor(gid, dtype=torch.long), temperature=temp,
             cand_offsets=offs, cand_ids=ids, cand_logprobs=clq))
     stats.group_names = list(names)
+    if records:  # NaN and ±inf after the cast to float32, over the whole batch at once
+        lq_all = torch.cat([x for r in records for x in (r.sampler_logprobs, r.cand_logprobs)])
+        stats.nonfinite_sampler = int((~torch.isfinite(lq_all)).sum())
     return records, stats
 
 
