@@ -54,6 +54,7 @@ def test_bench_json_fields(model_dir, capsys):
     assert out["model"].startswith("HF directory") and out["params"] > 0
     assert "vllm_tok_s" in out and "vllm_logprob_max_abs_err_fp32" in out
     assert out["new_tokens"] == 6 and out["batch"] == 4
+    assert out["hf_setup"] == "generate, sdpa attention, dynamic cache"
 
 
 def test_peak_memory_child_reports_the_generation_only(model_dir):
