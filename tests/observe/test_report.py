@@ -76,6 +76,9 @@ def test_study_with_seeds_has_intervals_and_verdicts(tmp_path):
     v = {f.title: f for f in judge(runs)}
     assert v["1. uncorrected GRPO collapses (mixed fleet)"].verdict == "reproduced"
     assert v["2. SC + MIS stays stable (mixed fleet)"].verdict == "reproduced"
+    # homogeneous GRPO is as poor (rate 0.1) but never flagged: a deficit, not a collapse
+    homo = v["1. uncorrected GRPO collapses (homogeneous fleet)"]
+    assert homo.verdict == "not reproduced" and homo.interval.hi < 0
     f3 = v["3. mixed fleet matches homogeneous (quality; cost reported separately)"]
     assert f3.verdict == "not distinguishable" and f3.interval.contains_zero
     assert "Cost, separately" in f3.evidence and "not measured" in f3.evidence
