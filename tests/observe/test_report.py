@@ -125,3 +125,20 @@ def test_findings_honest_when_nothing_collapses(tmp_path):
     verdicts = {f.title[:2]: f.verdict for f in judge(load_runs(tmp_path))}
     assert verdicts["1."] == "inconclusive"  # no on-policy reference run
     assert verdicts["2."] == "not distinguishable"
+
+
+def test_kl_growth_needs_measured_steps():
+    import math
+    from pathlib import Path
+
+    from mixrl.observe.findings import kl_growth
+    from mixrl.observe.runs import Run
+
+    def run(kls):  # precision KL on some steps only, as async runs record it
+        return Run(Path("r"), "mixed/grpo", rows=[{"step": i + 1, **({"precision/kl_k3": v} if v else {})}
+                                                   for i, v in enumerate(kls)])
+
+    assert math.isnan(kl_growth(run([0.01] + [None] * 23)))  # one measured step: not a ratio of 1
+    assert kl_growth(run([1.0, None, 1.0, 3.0, None, 3.0])) == 3.0  # halves of the 4 measured steps
+    long = [1.0] * 10 + [2.0] * 10 + [5.0] * 5 + [8.0] * 10  # skip 10, early 2.0, late 8.0
+    assert kl_growth(run(long)) == 4.0

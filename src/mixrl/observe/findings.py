@@ -51,16 +51,24 @@ class Finding:
 
 
 def kl_growth(run: Run, skip: int = 10, early: int = 10, late: int = 10) -> float:
-    """Mean precision KL of the last ``late`` steps over the mean of steps (skip, skip + early].
+    """Mean precision KL of the last ``late`` measured steps over the mean of (skip, skip + early].
 
-    The first steps are skipped as in the collapse monitor; short runs use no skip."""
-    k = kl_key(run)
-    _, ys = run.series(k)
+    Precision KL exists only on steps with staleness-0 tokens, which async runs have few of; a run
+    with too few measured steps for two windows splits them in halves, and under 4 it is NaN
+    (not measured) rather than a ratio of one value to itself."""
+    _, ys = run.series(kl_key(run))
+    if len(ys) < 4:
+        return math.nan
     if len(ys) < skip + early + late:
-        skip = 0
-    e = sum(ys[skip:skip + early]) / max(1, len(ys[skip:skip + early])) if ys else math.nan
-    last = run.mean(k, last=late)
-    return last / e if e and e > 0 else math.nan
+        skip, early = 0, len(ys) // 2
+        late = len(ys) - early
+    e = sum(ys[skip:skip + early]) / early
+    last = sum(ys[-late:]) / late
+    return last / e if e > 0 else math.nan
+
+
+def _growths(runs: list[Run]) -> str:
+    return ", ".join("not measured" if math.isnan(g := kl_growth(r)) else f"{g:.2f}x" for r in runs)
 
 
 def summarize(run: Run, k: int = 4) -> dict[str, float | str | bool]:
@@ -158,7 +166,7 @@ def _f1(c: dict[str, list[Run]], fleet: str, k: int, hard: list[str]) -> Finding
     ev = (f"pass@{k} grpo - on-policy: {_iv(iv)}; hard subset ({len(hard)} tasks): "
           f"{_iv(_diff(grpo, ref, k, hard))}; final training reward difference {_iv(rew)}; "
           f"collapse flagged in {collapsed}/{len(grpo)} seeds; precision KL growth "
-          + ", ".join(f"{kl_growth(r):.2f}x" for r in grpo))
+          + _growths(grpo))
     if iv is None:
         return Finding(title, "inconclusive", ev)
     if iv.contains_zero:
