@@ -106,7 +106,9 @@ def test_engine_exception_fails_every_pending_call(engine):
     ok, res = asyncio.run(go())
     assert ok.finish_reason == "length"
     assert len(res) == 5 and all(isinstance(r, ReplicaFailure) for r in res)
-    assert isinstance(res[0].__cause__, AttributeError)
+    # the broken replica's own error is the cause: the continuous batch sees the weights it opened
+    # with are gone (RuntimeError), the batch-at-a-time path trips over them (AttributeError)
+    assert isinstance(res[0].__cause__, RuntimeError | AttributeError) and "sampler 'g' failed" in str(res[0])
 
 
 def test_failed_weight_load_is_a_replica_failure(engine):
