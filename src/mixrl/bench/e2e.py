@@ -11,7 +11,9 @@ Three measurements in one invocation, all on the bundled policy:
    checkpointing) and mixrl on the same model, the same single-turn task
    (``reverse``), the same batch (B prompts x G samples) and completion
    length: RL steps/s over the steps after the first (warm-up excluded),
-   ratio ``mixrl_over_trl`` (goal >= 2). Without ``trl`` installed the JSON
+   ratio ``mixrl_over_trl`` (goal >= 2). TRL runs in one process, so it is
+   measured with 1 torch thread and with one per core and the faster counts
+   (``trl_steps_per_s_by_threads``). Without ``trl`` installed the JSON
    says so instead.
 3. **weight publication**: from publish to every replica serving the new
    version, on an idle fleet of worker processes (the demo's four groups, and
@@ -187,7 +189,8 @@ def measure_publish(base: list[str], model_path: str, groups: list[str] | None, 
     return res
 
 
-def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int, lr: float) -> dict[str, Any]:
+def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int, lr: float,
+            threads: int = 1) -> dict[str, Any]:
     """TRL GRPOTrainer on the reverse task: steps/s after the first step."""
     try:
         import trl
@@ -232,7 +235,7 @@ def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int,
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             times.append(time.perf_counter())
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         args = GRPOConfig(
             output_dir=tmp, use_cpu=True, use_vllm=False, bf16=False, gradient_checkpointing=False,
@@ -250,7 +253,7 @@ def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int,
         trainer.train()
         total = time.perf_counter() - t0
     return {"available": True, "version": trl.__version__, "steps_per_s": _steps_per_s([], times),
-            "elapsed_s": total, "steps": len(times)}
+            "elapsed_s": total, "steps": len(times), "threads": threads}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -295,7 +298,11 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_trl:
         res["trl"] = {"available": False, "reason": "skipped (--no-trl)"}
     else:
-        res["trl"] = run_trl(model_path, args.steps, args.prompts, args.group_size, max_new, 1e-4)
+        # TRL is one process: give it its best torch thread count (mixrl's processes use every core)
+        tries = [run_trl(model_path, args.steps, args.prompts, args.group_size, max_new, 1e-4, threads=t)
+                 for t in sorted({1, os.cpu_count() or 1})]
+        res["trl"] = max(tries, key=lambda r: r.get("steps_per_s") or 0.0)
+        res["trl_steps_per_s_by_threads"] = {r.get("threads"): r.get("steps_per_s") for r in tries}
     if res["trl"].get("available"):
         mine = run_mixrl(base, out_root / "vs-trl", [*single, "optim.lr=1e-4"])
         res["mixrl_single_turn"] = mine
