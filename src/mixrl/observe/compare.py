@@ -37,7 +37,7 @@ HOMOGENEOUS_PROFILE = "b200-bf16"
 STRESS_PROFILES = ("stress-b200-nvfp4", "stress-b300-mxfp4", "stress-h100-fp8")
 
 # What each budget runs. "default" is sized to fit 60 minutes on 2 quiet cores (21 runs; the
-# measured wall time is in docs/study.md); "full" is the whole study (~11 h projected).
+# measured wall time is in docs/study.md); "full" is the whole study (~4-7 h projected).
 # --arms/--fleets/--seeds/--steps/--eval-* override a budget.
 BUDGETS: dict[str, dict[str, object]] = {
     "default": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": FLEETS,
