@@ -38,7 +38,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-
 SAMPLER_NICE = 5  # niceness above the parent's (a weight about 3x lower for the kernel's scheduler)
 
 
