@@ -106,8 +106,8 @@ def test_engine_exception_fails_every_pending_call(engine):
     ok, res = asyncio.run(go())
     assert ok.finish_reason == "length"
     assert len(res) == 5 and all(isinstance(r, ReplicaFailure) for r in res)
-    # the broken replica's own error is the cause: the continuous batch sees the weights it opened
-    # with are gone (RuntimeError), the batch-at-a-time path trips over them (AttributeError)
+    # the broken replica's own error is the cause: a batch opened before the break sees that its
+    # weights are gone (RuntimeError), one opened after it trips over them (AttributeError)
     assert isinstance(res[0].__cause__, RuntimeError | AttributeError) and "sampler 'g' failed" in str(res[0])
 
 

@@ -176,7 +176,10 @@ def test_sampler_admits_requests_while_a_batch_decodes(dense):
 
     s, res, done, running = asyncio.run(go())
     assert running  # the short requests finished while the long one was still decoding
-    assert s.batches == 2 and all(r.timings["batch_size"] == 4 and r.timings["sampler_batch"] == 3 for r in done)
+    # the three short requests joined the long one's batch (together, or split if the worker took
+    # the inbox between two submissions: thread timing, not behaviour)
+    assert 2 <= s.batches <= 4 and all(2 <= r.timings["batch_size"] <= 4 for r in done)
+    assert all(1 <= r.timings["sampler_batch"] <= 3 for r in done)
     for got, r in zip([res, *done], [long, *short], strict=True):
         _same(got, e.generate_batch([r])[0])
 

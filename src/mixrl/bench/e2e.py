@@ -299,8 +299,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         res["trl"] = {"available": False, "reason": "skipped (--no-trl)"}
     else:
         # TRL is one process: give it its best torch thread count (mixrl's processes use every core)
+        from mixrl.runtime.backends.embedded.slots import usable_cores
         tries = [run_trl(model_path, args.steps, args.prompts, args.group_size, max_new, 1e-4, threads=t)
-                 for t in sorted({1, os.cpu_count() or 1})]
+                 for t in sorted({1, usable_cores()})]
         res["trl"] = max(tries, key=lambda r: r.get("steps_per_s") or 0.0)
         res["trl_steps_per_s_by_threads"] = {r.get("threads"): r.get("steps_per_s") for r in tries}
     if res["trl"].get("available"):

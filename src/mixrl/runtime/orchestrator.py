@@ -88,6 +88,9 @@ class Orchestrator:
         self.fleet: Fleet
         self.sessions: Sessions
         self.autoscaler: Autoscaler | None = None
+        # (this process's CPU s, {worker pid: CPU s}) at the loop's start and end; _cpu_summary
+        self._cpu0: tuple[float, dict[int, float] | None] | None = None
+        self._cpu1: tuple[float, dict[int, float] | None] | None = None
 
     # ------------------------------------------------------------------ setup
     async def setup(self) -> None:
@@ -320,7 +323,7 @@ class Orchestrator:
     def _cpu_summary(self) -> dict[str, float | None]:
         """CPU seconds over the training loop: this process (trainer and event loop), the
         trainer's updates alone, and the sampler worker processes (None where unknown)."""
-        c0, c1 = getattr(self, "_cpu0", None), getattr(self, "_cpu1", None)
+        c0, c1 = self._cpu0, self._cpu1
         train = sum(m.get("perf/train_step_cpu_s", 0.0) for m in self.history)
         if c0 is None or c1 is None:
             return {"orchestrator_s": None, "trainer_s": train, "samplers_s": None}

@@ -447,6 +447,9 @@ class RayBackend(Backend):
         from mixrl.runtime.backends.embedded.formats import format_key, serving_profile
         from mixrl.runtime.backends.inprocess import group_profile, replica_seed
 
+        trainer = self.trainer.actor if self.broadcast and self.trainer is not None else None
+        if self.broadcast and trainer is None:  # before placing anything, so nothing is left behind
+            raise ReplicaFailure(f"replica {name}: the broadcast transport needs the trainer actor first")
         prof = group_profile(self.cfg, group)
         # None: the engine quantizes on load itself (always, when versions come by broadcast)
         fmt = None if self.broadcast else format_key(prof, self._is_tied())
@@ -464,9 +467,6 @@ class RayBackend(Backend):
                 remove_placement_group(pg)
             raise ReplicaFailure(f"replica {name} could not start: {e}") from e
         device = "cuda" if g.num_gpus > 0 and self.cfg.trainer.num_gpus > 0 else "cpu"  # NCCL GPU to GPU
-        trainer = self.trainer.actor if self.broadcast and self.trainer is not None else None
-        if self.broadcast and trainer is None:
-            raise ReplicaFailure(f"replica {name}: the broadcast transport needs the trainer actor first")
         h = RaySampler(name, group, actor, pg, fmt, self.formats, trainer, device)
         self.samplers[name] = h
         return h
