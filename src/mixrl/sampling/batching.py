@@ -66,7 +66,6 @@ class _Item:
     request: GenerationRequest | None = None  # a generation, or
     weights: tuple[Mapping[str, Any], int] | None = None  # a weight update (state dict, version)
     enqueued: float = 0.0
-    waited: float = 0.0  # seconds from enqueued to joining a continuous batch
 
 
 class BatchingSampler(Sampler):
@@ -230,8 +229,6 @@ class BatchingSampler(Sampler):
         self._inbox.extend(batch)
         self._admitting, self._stop = self._carry is None, False
         flight = self._flight = set()
-        start = time.perf_counter()
-        self._longest = 0.0
         try:
             await asyncio.to_thread(self._drive, asyncio.get_running_loop(), flight)
         except Exception as e:  # noqa: BLE001 - any engine error is a replica failure
@@ -240,8 +237,6 @@ class BatchingSampler(Sampler):
                 left = list(self._inbox)
                 self._inbox.clear()
             self._fail(e, list(flight) + left)
-            return
-        self._runs.append(self._longest or time.perf_counter() - start)
 
     def _drive(self, loop: asyncio.AbstractEventLoop, flight: set[_Item]) -> None:
         """Worker thread: admit what the inbox holds, step, post finished results."""
@@ -255,9 +250,6 @@ class BatchingSampler(Sampler):
                     self._admitting = False
                     return
             if take:
-                now = time.perf_counter()
-                for it in take:
-                    it.waited = now - it.enqueued
                 done = run.add([(it, it.request) for it in take])
                 if done:
                     self._post(loop, flight, done)
@@ -278,10 +270,13 @@ class BatchingSampler(Sampler):
             loop.call_soon_threadsafe(self._deliver, done)
 
     def _deliver(self, done: list[tuple[_Item, GenerationResult]]) -> None:
+        now = time.perf_counter()
         for it, r in done:
-            r.timings["queue_s"] = it.waited
+            # time in the sampler beyond the engine's work on the row: the inbox and the wait to be
+            # admitted while the batch was full (continuous batches have no batch start to measure from)
+            engine = r.timings.get("prefill_s", 0.0) + r.timings.get("decode_s", 0.0)
+            r.timings["queue_s"] = max(0.0, now - it.enqueued - engine)
             r.timings["sampler_batch"] = r.timings.get("joined", 1.0)
-            self._longest = max(self._longest, r.timings.get("prefill_s", 0.0) + r.timings.get("decode_s", 0.0))
             if not it.future.done():
                 it.future.set_result(r)
 
