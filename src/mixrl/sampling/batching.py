@@ -243,7 +243,7 @@ class BatchingSampler(Sampler):
         run = self.engine.stream()  # type: ignore[attr-defined]
         while not self._stop:
             with self._lock:
-                take = list(self._inbox)
+                take = [it for it in self._inbox if not it.future.done()]  # as _run: callers that gave up
                 self._inbox.clear()
                 flight.update(take)
                 if not take and run.idle:

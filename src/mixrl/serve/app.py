@@ -11,17 +11,18 @@ malformed body (the parameter named), 401, 404, 503 when the sampler failed.
 
 Per-request cost: the routes are plain Starlette routes on the FastAPI app
 (the body is parsed here, so FastAPI's dependency solving and validation would
-do nothing but cost time), and JSON goes through ``orjson`` when it is
-installed (stdlib ``json`` otherwise; the same documents either way).
+do nothing but cost time), and JSON goes through ``orjson``; a non-finite number
+(the log-prob of a candidate outside the top-p support is -inf) is written as null,
+which JSON can carry.
 """
 
 from __future__ import annotations
 
 import hmac
-import json
 import time
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
@@ -30,21 +31,9 @@ from mixrl.serve.core import ApiError, ServeCore
 
 SESSION_HEADER = "x-session-id"
 
-try:
-    import orjson
 
-    def dumps(obj: Any) -> bytes:
-        return orjson.dumps(obj)
-
-    loads = orjson.loads
-    DecodeError: type[ValueError] = orjson.JSONDecodeError
-except ImportError:  # stdlib: compact separators, as orjson writes
-
-    def dumps(obj: Any) -> bytes:
-        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-
-    loads = json.loads
-    DecodeError = json.JSONDecodeError
+dumps, loads = orjson.dumps, orjson.loads
+DecodeError: type[ValueError] = orjson.JSONDecodeError
 
 
 class JSONResponse(Response):
