@@ -91,6 +91,7 @@ class TrainBatch:
     position_ids: Tensor | None = None  # [B, L] long, restarting at 0 for each trajectory
     rows: Tensor | None = None  # [N] row of the hidden state of each position; None = seq_ids
     num_trajectories: int | None = None  # None: one trajectory per row
+    shared_mask: Tensor | None = None  # [B, 1, L, L] bool, rows with shared prefixes (train.prefix)
 
     @property
     def num_seqs(self) -> int:

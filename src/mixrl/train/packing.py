@@ -58,6 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from mixrl.train import prefix
 from mixrl.train.batch import Record, TrainBatch, collate
 
 MASK_MODES = ("auto", "4d", "position_ids")
@@ -68,6 +69,9 @@ class MicroBatch:
     records: list[Record]  # in the order of the flat per-position tensors
     rows: list[int] | None  # packed: trajectories per row, in order; None: one per row, right-padded
     row_len: int  # C: tokens per row (the longest trimmed trajectory when padded)
+    # packed with shared prefixes (mixrl.train.prefix): per record, the leading tokens it reads
+    # from its unit's lead (the latest record before it with 0); None: nothing shared
+    shared: list[int] | None = None
 
     @property
     def tokens(self) -> int:
@@ -86,7 +90,8 @@ def is_flash(attn_impl: str | None) -> bool:
 
 
 def micro_batches(records: list[Record], budget: int | None, *, packed: bool, one_row: bool = False,
-                  max_seqs: int | None = None, attn_cost: float | None = None) -> list[MicroBatch]:
+                  max_seqs: int | None = None, attn_cost: float | None = None,
+                  share_prefix: bool = False) -> list[MicroBatch]:
     """Cut ``records`` into micro-batches of at most ``budget`` model-input tokens.
 
     ``budget=None``: one micro-batch (cut only by ``max_seqs`` trajectories when padded).
@@ -94,7 +99,8 @@ def micro_batches(records: list[Record], budget: int | None, *, packed: bool, on
     ``one_row``: each micro-batch is one packed row of ``budget`` tokens (flash-attention
     varlen). Padded: records keep their order and each micro-batch is padded to its
     longest trajectory. ``attn_cost``: :func:`attn_pair_cost` of the model (default
-    ``ATTN_COST``, the bundled policy's).
+    ``ATTN_COST``, the bundled policy's). ``share_prefix`` (packed, not ``one_row``):
+    samples of one prompt share its tokens in a row (:mod:`mixrl.train.prefix`).
     """
     if budget is not None and budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
@@ -111,13 +117,15 @@ def micro_batches(records: list[Record], budget: int | None, *, packed: bool, on
         return out + [MicroBatch([records[i] for i in row], [len(row)], sum(lens[i] for i in row))
                       for row in rows]  # no padding
     cost = ATTN_COST if attn_cost is None else attn_cost
-    best, best_cost, best_cap = [], float("inf"), 0
+    grouped = prefix.groups(records, lens) if share_prefix else None
+    best: list[MicroBatch] = []
+    best_cost, best_cap = float("inf"), 0
     for cap in row_caps(lens, budget):
         if best and cap > 2 * best_cap:
             # rows twice the best length already let any two of its rows share one; longer
             # rows can remove only that plan's (small) padding while attention keeps growing
             break
-        plan = pack_rows(records, lens, cap, budget)
+        plan = pack_rows(records, lens, cap, budget, share=grouped)
         c = plan_cost(plan, cost)
         if c < best_cost:  # ties: the shorter cap (tried first)
             best, best_cost, best_cap = plan, c, cap
@@ -164,7 +172,8 @@ def plan_cost(plan: list[MicroBatch], attn_cost: float) -> float:
     return sum(mb.tokens * (1 + attn_cost * mb.row_len) for mb in plan)
 
 
-def pack_rows(records: list[Record], lens: list[int], cap: int, budget: int | None) -> list[MicroBatch]:
+def pack_rows(records: list[Record], lens: list[int], cap: int, budget: int | None,
+              share: bool | list[tuple[list[int], int]] | None = False) -> list[MicroBatch]:
     """Rows of at most ``cap`` tokens by best-fit decreasing, grouped into micro-batches.
 
     Why the row length is a choice: padding falls as rows get longer (more ways to fill
@@ -177,18 +186,29 @@ def pack_rows(records: list[Record], lens: list[int], cap: int, budget: int | No
     rows, each micro-batch as long as its fullest row (``C``), so rows that best-fit left
     short (the tail of the packing) share a short micro-batch instead of being padded to
     the cap. The order of micro-batches does not matter: gradients add up.
+
+    ``share``: the items placed are units of samples sharing a prompt
+    (:func:`mixrl.train.prefix.units`) instead of single trajectories; a list is
+    :func:`mixrl.train.prefix.groups` of ``records`` already computed.
     """
-    out = [MicroBatch([r], [1], n) for r, n in zip(records, lens, strict=True) if n > cap]  # never split
-    fit = [i for i, n in enumerate(lens) if n <= cap]
-    rows = [[fit[j] for j in row] for row in _best_fit([lens[i] for i in fit], cap)]
-    fill = [sum(lens[i] for i in row) for row in rows]
+    if share is True:
+        share = prefix.groups(records, lens)
+    us = prefix.units(share, lens, cap) if share else [([i], 0) for i in range(len(records))]
+    ulen = [prefix.unit_len(m, s, lens) for m, s in us]
+    out = [MicroBatch([records[i] for i in m], [len(m)], n, [0] * len(m) if share else None)
+           for (m, _), n in zip(us, ulen, strict=True) if n > cap]  # a lone trajectory, never split
+    fit = [k for k, n in enumerate(ulen) if n <= cap]
+    rows = [[fit[j] for j in row] for row in _best_fit([ulen[k] for k in fit], cap)]
+    fill = [sum(ulen[k] for k in row) for row in rows]
     order = sorted(range(len(rows)), key=lambda k: -fill[k])  # stable
     i = 0
     while i < len(order):
         width = fill[order[i]]
         per = len(order) if budget is None else max(1, budget // width)
         group = [rows[k] for k in order[i:i + per]]
-        out.append(MicroBatch([records[j] for row in group for j in row], [len(row) for row in group], width))
+        members = [[(j, 0 if n == 0 else us[k][1]) for k in row for n, j in enumerate(us[k][0])] for row in group]
+        out.append(MicroBatch([records[j] for row in members for j, _ in row], [len(row) for row in members],
+                              width, [s for row in members for _, s in row] if share else None))
         i += per
     return out
 
@@ -232,31 +252,63 @@ def pack(mb: MicroBatch, pad_id: int = 0) -> TrainBatch:
     """The packed ``TrainBatch`` of ``mb`` (``mb.rows`` trajectories per row)."""
     assert mb.rows is not None and sum(mb.rows) == len(mb.records)
     R, C = len(mb.rows), mb.row_len
-    input_ids = torch.full((R, C), pad_id, dtype=torch.long)
-    position_ids = torch.empty(R, C, dtype=torch.long)
-    attn = torch.zeros(R, C, dtype=torch.long)  # 1 on real tokens
-    row_of, start_of = [], []
-    i = 0
+    shared = mb.shared if mb.shared is not None and any(mb.shared) else None
+    # plain lists, one tensor per field at the end: a row holds tens of trajectories
+    ids: list[int] = []
+    pos: list[int] = []
+    real: list[int] = []  # 1 on real tokens
+    seg: list[int] = []  # shared prefixes: each column's sequence and unit, and
+    unit: list[int] = []  # whether it is its unit's shared prefix
+    pre: list[bool] = []
+    rows: list[int] = []  # [N] row and column of the hidden state predicting each y_t
+    cols: list[int] = []
+    i = n_seg = 0
     for row, n in enumerate(mb.rows):
-        col = 0
-        for r in mb.records[i:i + n]:
-            m = used_len(r)
-            input_ids[row, col:col + m] = r.tokens[:m]
-            position_ids[row, col:col + m] = torch.arange(m)
-            attn[row, col:col + m] = 1
-            row_of.append(row)
-            start_of.append(col)
-            col += m
-        if col > C:
-            raise ValueError(f"packed row {row} holds {col} tokens, more than its length {C}")
-        position_ids[row, col:] = torch.arange(C - col)  # padding: a sequence of its own
+        base = row * C
+        lead = lead_seg = 0  # the unit's lead: its first column (flat) and its sequence id
+        for k in range(i, i + n):
+            r = mb.records[k]
+            m, s = used_len(r), (0 if shared is None else shared[k])
+            tok = r.tokens[:m].tolist()
+            col = len(ids) - base
+            if s == 0:
+                lead, lead_seg = len(ids), n_seg
+            elif ids[lead:lead + s] != tok[:s]:
+                raise ValueError(f"packed row {row}: record {r.index} does not share its unit's {s} tokens")
+            else:
+                pre[lead:lead + s] = [True] * s
+            ids += tok[s:]
+            pos += range(s, m)
+            real += [1] * (m - s)
+            seg += [n_seg] * (m - s)
+            unit += [lead_seg] * (m - s)
+            pre += [False] * (m - s)
+            n_seg += 1
+            lead_col = lead - base
+            # y_t is predicted at t - 1: in the unit's shared part, else in the record's own columns
+            cols += [lead_col + p if p < s else col + p - s for p in (r.gen_pos - 1).tolist()]
+            rows += [row] * int(r.gen_pos.numel())
+        used = len(ids) - base
+        if used > C:
+            raise ValueError(f"packed row {row} holds {used} tokens, more than its length {C}")
+        ids += [pad_id] * (C - used)
+        pos += range(C - used)  # padding: a sequence of its own
+        real += [0] * (C - used)
+        seg += [n_seg] * (C - used)
+        unit += [n_seg] * (C - used)
+        pre += [False] * (C - used)
+        n_seg += 1
         i += n
     tb = collate(mb.records, pad_id)  # flat per-position tensors, in record order
-    n_each = [int(r.gen_pos.numel()) for r in mb.records]
-    rows = torch.repeat_interleave(torch.tensor(row_of), torch.tensor(n_each))  # [N]
-    shift = torch.repeat_interleave(torch.tensor(start_of), torch.tensor(n_each))  # [N]
-    return replace(tb, input_ids=input_ids, attention_mask=attn, position_ids=position_ids,
-                   rows=rows, pred_cols=tb.pred_cols + shift, num_trajectories=len(mb.records))
+    def grid(vals: list[int]) -> Tensor:
+        return torch.tensor(vals, dtype=torch.long).view(R, C)
+
+    mask = None
+    if shared is not None:
+        mask = prefix.allowed(grid(seg), grid(unit), torch.tensor(pre, dtype=torch.bool).view(R, C))
+    return replace(tb, input_ids=grid(ids), attention_mask=grid(real), position_ids=grid(pos),
+                   rows=torch.tensor(rows, dtype=torch.long), pred_cols=torch.tensor(cols, dtype=torch.long),
+                   num_trajectories=len(mb.records), shared_mask=mask)
 
 
 def collate_micro(mb: MicroBatch, pad_id: int = 0) -> TrainBatch:
@@ -281,10 +333,14 @@ def model_inputs(tb: TrainBatch, attn_impl: str | None, mode: str = "auto",
     if tb.position_ids is None:
         return {"input_ids": tb.input_ids[:, :cut], "attention_mask": tb.attention_mask[:, :cut],
                 "use_cache": False}
-    kw = {"input_ids": tb.input_ids[:, :cut], "position_ids": tb.position_ids[:, :cut], "use_cache": False}
-    if mode == "position_ids" or (mode == "auto" and (is_flash(attn_impl) or attn_impl == "flex_attention")):
+    kw: dict[str, Any] = {"input_ids": tb.input_ids[:, :cut], "position_ids": tb.position_ids[:, :cut], "use_cache": False}
+    ids_only = mode == "position_ids" or (mode == "auto" and (is_flash(attn_impl) or attn_impl == "flex_attention"))
+    if ids_only and tb.shared_mask is not None:
+        raise ValueError(f"rows with shared prefixes need a 4D attention mask; mode {mode!r} with "
+                         f"attention {attn_impl!r} passes position_ids only")
+    if ids_only:
         return kw
-    allowed = block_mask(kw["position_ids"])
+    allowed = block_mask(kw["position_ids"]) if tb.shared_mask is None else tb.shared_mask[:, :, :cut, :cut]
     if attn_impl == "sdpa":
         return {**kw, "attention_mask": allowed}
     # eager and other kernels that add the mask to the scores

@@ -92,6 +92,7 @@ class Trainer:
         micro_batch_tokens: int | None = None,  # model-input tokens per forward/backward; None = all
         forward_micro_batch_tokens: int | None = None,  # the same for the no-grad p_old pass; None = as above
         packing: bool = False,  # several trajectories per row (mixrl.train.packing) instead of padding
+        share_prefix: bool = True,  # packed: samples of one prompt share its tokens (mixrl.train.prefix)
         chunk_size: int = 1024,
         pad_id: int = 0,
         seed: int = 0,
@@ -129,6 +130,10 @@ class Trainer:
         self.lr_schedule, self.base_lr = lr_schedule, lr
         self.cand_kind = needed_cand_kind(loss_cfg)
         self.routing = TrainerRouting(model, loss_cfg.routing_replay)  # MoE: replay, routing mismatch
+        # a shared prefix needs a 4D mask (no varlen kernel), and MoE routing records address one
+        # model-input cell per generated token, which a shared prefix would merge
+        self.share_prefix = (share_prefix and packing and not is_flash(self.attn_impl)
+                             and self.attn_impl != "flex_attention" and not self.routing.rr.active)
         self.version = 0
         model.to(PRECISIONS[precision])
         model.train()
@@ -188,7 +193,7 @@ class Trainer:
         """Micro-batches of at most ``budget`` model-input tokens (default micro_batch_tokens)."""
         return micro_batches(records, budget or self.micro_batch_tokens, packed=self.packing,
                              one_row=is_flash(self.attn_impl), max_seqs=self.micro_batch_size,
-                             attn_cost=self.attn_cost)
+                             attn_cost=self.attn_cost, share_prefix=self.share_prefix)
 
     @staticmethod
     def _store(records: list[Record], out: TokenLogprobs, *fields: str) -> None:
