@@ -228,3 +228,12 @@ def test_trainer_state_round_trip():
     b.step(trajs, adv)
     for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0)
+
+
+def test_step_cpu_of_the_thread_and_of_the_process():
+    """The thread's CPU is part of the process's over the same update."""
+    trajs, adv = make_batch(8, "none", seed=5)
+    tr = Trainer(tiny_model(6), get_preset("grpo").loss, lr=1e-3, packing=True)
+    m = tr.step(trajs, adv)
+    thread, proc = m["perf/train_step_cpu_s"], m["perf/train_step_process_cpu_s"]
+    assert 0 < thread <= proc + 1e-3  # clocks tick in ~1 ms steps at worst

@@ -286,7 +286,7 @@ class Trainer:
         strict: bool = False,  # raise on a malformed trajectory instead of dropping it
     ) -> dict[str, float]:
         """One optimizer update (or ``epochs * minibatches`` of them); returns the metrics."""
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         mode = denom_mode or self.loss_cfg.aggregation
         records, stats = self._prepare(trajectories, advantages, strict)
         frac = self.max_malformed_frac
@@ -328,9 +328,13 @@ class Trainer:
         self.version += 1
         skipped = sum(not math.isfinite(x) for x in norms)
         metrics.update(self._counters(records, stats, norms, skipped, time.perf_counter() - t0))
-        # CPU time of this thread (with one torch thread, the whole update): wall / CPU above 1
-        # means the step waited for a core or for the interpreter lock
+        # CPU of the thread that ran the update: with one torch thread (runtime.torch_threads = 1)
+        # the whole update, and wall / CPU above 1 means it waited for a core or the interpreter
+        # lock; with more, torch's intra-op worker threads are not in it. The process's CPU over
+        # the update counts those workers, and also whatever other threads of the process ran
+        # meanwhile (an orchestrator's event loop): the two bound the update's CPU from both sides
         metrics["perf/train_step_cpu_s"] = time.thread_time() - c0
+        metrics["perf/train_step_process_cpu_s"] = time.process_time() - p0
         metrics.update(self.routing.metrics(stats.group_names))
         return metrics
 
