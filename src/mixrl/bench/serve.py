@@ -1,29 +1,43 @@
 """The OpenAI-compatible endpoint against calling the sampler directly: ``mixrl bench serve --json``.
 
-Both arms run the same load in one invocation, on the same sampler replica
+Every arm runs the same load in one invocation, on the same sampler replica
 (built-in engine, FP32 profile by default, one ``BatchingSampler`` with the
 same batching window):
 
 - ``direct``: ``--sessions`` concurrent conversations of ``--turns`` turns,
   each turn a ``GenerationRequest`` of the recorded ids (what a mixrl episode
   does);
-- ``endpoint``: the same conversations as HTTP requests from the ``openai``
-  client to a real uvicorn server on loopback (templating, session recording,
-  tool-call parsing and JSON included). The server runs in this process, as
-  ``mixrl serve`` does; the agents' client code runs in a second process, as
-  agent code beside a server does (``--client-in-process`` puts it here). Each
-  conversation has its own client (as each agent episode does), created and
-  connected before the timing; its connection is kept alive across turns.
+- ``endpoint`` (the headline): the same conversations as OpenAI chat requests
+  (the same JSON bodies and ``X-Session-ID`` session ids the ``openai`` client
+  sends) to a real uvicorn server on loopback (templating, session recording,
+  tool-call parsing and JSON included), sent by a lean async HTTP client:
+  ``aiohttp`` where installed (as vLLM's ``benchmark_serving`` load generator),
+  else ``httpx.AsyncClient`` without the ``openai`` layer. The bench measures the
+  endpoint, not a client library: the ``openai`` client's own CPU (pydantic
+  models, retries, headers: about 5 ms a request) would share this machine's
+  cores with the server and sit on every request's path;
+- ``openai_client``: the same load through the official ``openai`` client,
+  reported beside the headline (its ratio and CPU per request), not hidden.
 
-Requests carry the same seeds in both arms, so they sample the same tokens
-(``same_tokens`` checks it); ``endpoint_over_direct`` is the ratio of generated
-tokens per second (goal >= 0.8 at 64 concurrent sessions), with requests/s,
-p50/p99 latency, the CPU time of this process per arm (``serve_cpu_s``: while
-the endpoint's clients ran, so without the server's start), the engine's
-prefills and decode steps per arm, the client's CPU per request, and
-``server_cpu_ms_per_request`` (the endpoint arm's CPU beyond the direct arm's,
-per request: HTTP, templating, recording, JSON, and any extra engine work from
-requests arriving spread out). Two workloads, each stating its model and reply length:
+The server runs in this process, as ``mixrl serve`` does; the client code runs
+in a second process, as agent code beside a server does (``--client-in-process``
+puts it here). Each conversation has its own connection (as each agent episode
+does), opened before the timing and kept alive across turns.
+
+The arms run interleaved, ``--repeats`` rounds of (direct, endpoint,
+openai_client), so a change of the machine's load hits every arm alike; each
+arm reports the median of its rounds and the range of its tokens/s, and every
+round's figures are kept (``runs``). ``endpoint_over_direct`` is the ratio of the
+median generated tokens per second (goal >= 0.8 at 64 concurrent sessions;
+``pair_ratios``: each round's endpoint over that round's direct). Requests carry
+the same seeds in every arm, so they sample the same tokens (``same_tokens``).
+Also reported: requests/s, p50/p99 latency, the CPU time of this process per
+arm (``serve_cpu_s``: while the clients ran, so without the server's start),
+the engine's prefills and decode steps, the client's CPU per request, and
+``server_cpu_ms_per_request`` (the endpoint's median CPU here beyond the direct
+arm's, per request: HTTP, templating, recording, JSON, and any extra engine
+work from requests arriving spread out), and the 1-minute load average before
+and after each workload. Two workloads, each stating its model and reply length:
 
 - the headline: ``--model`` (the shipped bundled policy: replies of a few
   tokens, so per-request HTTP cost weighs most);
@@ -37,7 +51,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
+import os
 import socket
 import statistics
 import time
@@ -60,9 +76,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-model", default="random:256x4",
                         help='second workload: "random:HIDDENxLAYERS", an HF directory, or "none"')
     parser.add_argument("--long-max-tokens", type=int, default=64, help="max_tokens of the second workload")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the arms (>= 1)")
+    parser.add_argument("--no-openai", action="store_true", help="skip the openai_client arm")
     parser.add_argument("--client-in-process", action="store_true",
                         help="run the endpoint arm's client code in this process")
     parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: URL, run the client only
+    parser.add_argument("--client-kind", default="lean", choices=("lean", "openai"), help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -103,15 +122,11 @@ async def _direct(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[str
     return _summary(time.perf_counter() - t0, lat, tokens)
 
 
-async def _clients(url: str, args: argparse.Namespace) -> dict[str, float]:
-    """The endpoint arm's load: ``--sessions`` conversations, each through its own ``openai`` client."""
-    import httpx
-    import openai
-
-    clients = [openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0,
-                                  default_headers={"X-Session-ID": f"s{i}"},
-                                  http_client=httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1)))
-               for i in range(args.sessions)]
+async def _load(send: Any, args: argparse.Namespace, client: str) -> dict[str, Any]:
+    """``--sessions`` conversations of ``--turns`` chat requests; ``send(i, body)`` returns the
+    response body (a dict) of conversation ``i``'s request. ``args.ready()`` is awaited before the
+    timing and ``args.report(figures)`` called right after it, so the server measures its CPU over
+    exactly the timed load (not the connections, warm-up and close)."""
     lat: list[float] = []
     tokens = 0
 
@@ -119,31 +134,107 @@ async def _clients(url: str, args: argparse.Namespace) -> dict[str, float]:
         nonlocal tokens
         msgs: list[dict[str, Any]] = [{"role": "user", "content": f"What is {i} + {i + 1}?"}]
         for t in range(args.turns):
+            body = {"model": "policy", "messages": msgs, "max_tokens": args.max_tokens, "seed": i * 100 + t}
             t0 = time.perf_counter()
-            r = await clients[i].chat.completions.create(model="policy", messages=msgs, max_tokens=args.max_tokens,
-                                                         seed=i * 100 + t)
+            r = await send(i, body)
             lat.append(time.perf_counter() - t0)
-            tokens += r.usage.completion_tokens
-            msgs += [r.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "And then?"}]
+            tokens += r["usage"]["completion_tokens"]
+            reply = {k: v for k, v in r["choices"][0]["message"].items() if v is not None}
+            msgs = msgs + [reply, {"role": "user", "content": "And then?"}]
 
-    # connections and client warm-up, outside the timing (keep-alive holds them across turns)
-    await asyncio.gather(*(c.models.list() for c in clients))
+    await args.ready()
+    cpu, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(conversation(i) for i in range(args.sessions)))
+    out: dict[str, Any] = _summary(time.perf_counter() - t0, lat, tokens)
+    out["client_cpu_ms_per_request"] = round((time.process_time() - cpu) / len(lat) * 1e3, 2)
+    out["client"] = client
+    args.report(out)
+    return out
+
+
+def _headers(i: int) -> dict[str, str]:
+    return {"Authorization": "Bearer bench", "X-Session-ID": f"s{i}", "Content-Type": "application/json"}
+
+
+async def _lean_clients(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The headline load: the OpenAI JSON bodies over aiohttp (else httpx), one connection each."""
+    import orjson
+
     try:
-        cpu, t0 = time.process_time(), time.perf_counter()
-        await asyncio.gather(*(conversation(i) for i in range(args.sessions)))
-        out = _summary(time.perf_counter() - t0, lat, tokens)
-        out["client_cpu_ms_per_request"] = round((time.process_time() - cpu) / len(lat) * 1e3, 2)
-        return out
+        import aiohttp
+    except ImportError:
+        aiohttp = None
+    if aiohttp is not None:
+        clients = [aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1), headers=_headers(i),
+                                         timeout=aiohttp.ClientTimeout(total=600)) for i in range(args.sessions)]
+
+        async def send(i: int, body: dict[str, Any]) -> Any:
+            async with clients[i].post(f"{url}/chat/completions", data=orjson.dumps(body)) as r:
+                data = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"HTTP {r.status}: {data[:200]!r}")
+                return orjson.loads(data)
+
+        async def warm(i: int) -> None:
+            async with clients[i].get(f"{url}/models") as r:
+                await r.read()
+
+        name = f"aiohttp {aiohttp.__version__}"
+    else:
+        import httpx
+
+        clients = [httpx.AsyncClient(headers=_headers(i), timeout=600, limits=httpx.Limits(max_connections=1))
+                   for i in range(args.sessions)]
+
+        async def send(i: int, body: dict[str, Any]) -> Any:
+            r = await clients[i].post(f"{url}/chat/completions", content=orjson.dumps(body))
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.content[:200]!r}")
+            return orjson.loads(r.content)
+
+        async def warm(i: int) -> None:
+            await clients[i].get(f"{url}/models")
+
+        name = f"httpx {httpx.__version__}"
+    try:
+        await asyncio.gather(*(warm(i) for i in range(args.sessions)))  # connect outside the timing
+        return await _load(send, args, name)
+    finally:
+        closing = [c.close() if aiohttp is not None else c.aclose() for c in clients]
+        await asyncio.gather(*closing)
+
+
+async def _openai_clients(url: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The same load through the official ``openai`` client, one client (and connection) each."""
+    import httpx
+    import openai
+
+    clients = [openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0,
+                                  default_headers={"X-Session-ID": f"s{i}"},
+                                  http_client=httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=1)))
+               for i in range(args.sessions)]
+
+    async def send(i: int, body: dict[str, Any]) -> Any:
+        r = await clients[i].chat.completions.create(**body)
+        return {"usage": {"completion_tokens": r.usage.completion_tokens},
+                "choices": [{"message": r.choices[0].message.model_dump(exclude_none=True)}]}
+
+    await asyncio.gather(*(c.models.list() for c in clients))  # connections and client warm-up
+    try:
+        return await _load(send, args, f"openai {openai.__version__}")
     finally:
         await asyncio.gather(*(c.close() for c in clients))
 
 
-async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[str, float]:
+_CLIENTS = {"lean": _lean_clients, "openai": _openai_clients}
+
+
+async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace, kind: str = "lean") -> dict[str, float]:
     import sys
 
     import uvicorn
 
-    from mixrl.serve.app import make_app
+    from mixrl.serve.app import make_app, server_options
     from mixrl.serve.core import ServeCore
 
     async def generate(session: str, request: Any) -> Any:
@@ -151,37 +242,52 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[s
 
     core = ServeCore(chat, generate, model="policy", max_total_tokens=4096, default_max_tokens=args.max_tokens)
     await core.chat_completion({"messages": [{"role": "user", "content": "warm-up"}], "max_tokens": 1}, None)
-    before = sampler.batches
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(make_app(core, api_key="bench"), host="127.0.0.1", port=port,
-                                           log_level="warning", access_log=False, lifespan="off",
-                                           timeout_keep_alive=300))  # the clients connect before the timing
+                                           lifespan="off", timeout_keep_alive=300,  # connected before the timing
+                                           **server_options()))
     server.install_signal_handlers = lambda: None
     task = asyncio.ensure_future(server.serve())
     while not server.started:
         await asyncio.sleep(0.01)
     url = f"http://127.0.0.1:{port}/v1"
-    steps, cpu = sampler.steps, time.process_time()
+    marks: list[tuple[float, int, int]] = []  # (CPU, batches, steps) when the timed load began and ended
+
+    def mark() -> None:
+        marks.append((time.process_time(), sampler.batches, sampler.steps))
+
     try:
         if args.client_in_process:
-            out = await _clients(url, args)
+            async def ready() -> None:
+                mark()
+
+            out = await _CLIENTS[kind](url, argparse.Namespace(**{**vars(args), "ready": ready,
+                                                                  "report": lambda _: mark()}))
         else:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "mixrl.bench.serve", "--client", url, "--sessions", str(args.sessions),
+                sys.executable, "-m", "mixrl.bench.serve", "--client", url, "--client-kind", kind,
+                "--sessions", str(args.sessions),
                 "--turns", str(args.turns), "--max-tokens", str(args.max_tokens),
-                stdout=asyncio.subprocess.PIPE)
-            stdout, _ = await proc.communicate()
-            if proc.returncode:
+                stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+            assert proc.stdin is not None and proc.stdout is not None
+            if (await proc.stdout.readline()).strip() == b"ready":  # connected and warmed up
+                mark()
+                proc.stdin.write(b"go\n")
+                await proc.stdin.drain()
+                line = await proc.stdout.readline()
+                mark()
+            if await proc.wait() or len(marks) != 2:
                 raise RuntimeError(f"the client process exited with {proc.returncode}")
-            out = json.loads(stdout.decode().strip().splitlines()[-1])
-        # this process while the clients ran (engine and HTTP server; not the server's start)
-        out["serve_cpu_s"] = round(time.process_time() - cpu, 3)
-        out["engine_batches"] = sampler.batches - before  # the warm-up request not counted
-        out["engine_steps"] = sampler.steps - steps
+            out = json.loads(line)
+        # this process over the timed load (engine and HTTP server; not the server's start, the
+        # clients' connections and warm-up, or their close)
+        (cpu0, b0, s0), (cpu1, b1, s1) = marks
+        out["serve_cpu_s"] = round(cpu1 - cpu0, 3)
+        out["engine_batches"], out["engine_steps"] = b1 - b0, s1 - s0
         out["history_rewrites"] = core.sessions.history_rewrites
-        out["client"] = "in-process" if args.client_in_process else "separate process"
+        out["client"] += ", in-process" if args.client_in_process else ", separate process"
         return out
     finally:
         server.should_exit = True
@@ -235,30 +341,58 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
         n_params = sum(int(v.numel()) for v in _weights(path).values())
     sampler = BatchingSampler(engine, max_batch=args.sessions, max_wait_ms=args.max_wait_ms, idle_ms=args.idle_ms)
     await _direct(chat, sampler, argparse.Namespace(**{**vars(args), "sessions": 4, "turns": 1}))  # warm-up
-    arms = {}
-    for name, arm in (("direct", _direct), ("endpoint", _endpoint), ("direct_again", _direct)):
-        # batches (prefills) and decode steps: how well concurrent requests were gathered
-        before, steps, cpu = sampler.batches, sampler.steps, time.process_time()
-        arms[name] = await arm(chat, sampler, args)
-        arms[name].setdefault("engine_batches", sampler.batches - before)
-        arms[name].setdefault("engine_steps", sampler.steps - steps)
-        arms[name]["process_cpu_s"] = round(time.process_time() - cpu, 3)  # this process: engine, server, asyncio
-    direct, endpoint, direct2 = arms["direct"], arms["endpoint"], arms["direct_again"]
+    arms: list[tuple[str, Any]] = [("direct", _direct), ("endpoint", _endpoint)]
+    if not args.no_openai:
+        arms.append(("openai_client", functools.partial(_endpoint, kind="openai")))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in arms}
+    load = [round(os.getloadavg()[0], 2)]
+    for _ in range(args.repeats):  # interleaved: a change of load hits every arm alike
+        for name, arm in arms:
+            # batches (prefills) and decode steps: how well concurrent requests were gathered
+            before, steps, cpu = sampler.batches, sampler.steps, time.process_time()
+            out = await arm(chat, sampler, args)
+            out.setdefault("engine_batches", sampler.batches - before)
+            out.setdefault("engine_steps", sampler.steps - steps)
+            out["process_cpu_s"] = round(time.process_time() - cpu, 3)  # this process: engine, server, asyncio
+            runs[name].append(out)
+    load.append(round(os.getloadavg()[0], 2))
     await sampler.close()
-    best = max(direct["tokens_per_s"], direct2["tokens_per_s"])
+    med = {name: _median(rs) for name, rs in runs.items()}
+    direct, endpoint = med["direct"], med["endpoint"]
     n_req = args.sessions * args.turns
-    # the server's own CPU per request: the endpoint arm's CPU here beyond the direct arm's
-    extra = (endpoint["serve_cpu_s"] - min(direct["process_cpu_s"], direct2["process_cpu_s"])) / n_req
-    return {"endpoint_over_direct": round(endpoint["tokens_per_s"] / best, 3),
-            "server_cpu_ms_per_request": round(extra * 1e3, 2),
-            "requests_over_direct": round(endpoint["requests_per_s"] / max(direct["requests_per_s"],
-                                                                           direct2["requests_per_s"]), 3),
-            "model": model, "model_params": n_params, "max_tokens": max_tokens,
-            "mean_reply_tokens": endpoint["mean_reply_tokens"],
-            "same_tokens": direct["generated_tokens"] == endpoint["generated_tokens"] == direct2["generated_tokens"],
-            "sessions": args.sessions, "turns": args.turns, "profile": args.profile,
-            "max_wait_ms": args.max_wait_ms, "idle_ms": args.idle_ms,
-            "direct": direct, "direct_again": direct2, "endpoint": endpoint}
+
+    def server_ms(arm: dict[str, Any]) -> float:  # this process's CPU beyond the direct arm's, per request
+        return round((arm["serve_cpu_s"] - direct["process_cpu_s"]) / n_req * 1e3, 2)
+
+    res: dict[str, Any] = {
+        "endpoint_over_direct": round(endpoint["tokens_per_s"] / direct["tokens_per_s"], 3),
+        "pair_ratios": [round(e["tokens_per_s"] / d["tokens_per_s"], 3)
+                        for d, e in zip(runs["direct"], runs["endpoint"], strict=True)],
+        "server_cpu_ms_per_request": server_ms(endpoint),
+        "requests_over_direct": round(endpoint["requests_per_s"] / direct["requests_per_s"], 3),
+        "client": runs["endpoint"][0]["client"], "client_cpu_ms_per_request": endpoint["client_cpu_ms_per_request"],
+        "repeats": args.repeats, "load_avg_1m": load,
+        "model": model, "model_params": n_params, "max_tokens": max_tokens,
+        "mean_reply_tokens": endpoint["mean_reply_tokens"],
+        "same_tokens": len({r["generated_tokens"] for rs in runs.values() for r in rs}) == 1,
+        "sessions": args.sessions, "turns": args.turns, "profile": args.profile,
+        "max_wait_ms": args.max_wait_ms, "idle_ms": args.idle_ms}
+    if "openai_client" in med:
+        o = med["openai_client"]
+        res["openai_client"] = {"over_direct": round(o["tokens_per_s"] / direct["tokens_per_s"], 3),
+                                "client": runs["openai_client"][0]["client"],
+                                "client_cpu_ms_per_request": o["client_cpu_ms_per_request"],
+                                "server_cpu_ms_per_request": server_ms(o)}
+    return {**res, **med, "runs": runs}
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each numeric figure's median over the rounds, with the range of tokens/s."""
+    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 3) for k, v in runs[0].items()
+                           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    tps = [r["tokens_per_s"] for r in runs]
+    out["tokens_per_s_range"] = [min(tps), max(tps)]
+    return out
 
 
 def _weights(path: str) -> dict[str, Any]:
@@ -281,9 +415,18 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     if args.client:  # the endpoint arm's client process
-        print(json.dumps(asyncio.run(_clients(args.client, args))))
+        import sys
+
+        from mixrl.serve.cli import _loop_runner
+
+        async def ready() -> None:  # tell the server, wait for its go
+            print("ready", flush=True)
+            await asyncio.to_thread(sys.stdin.readline)
+
+        args.ready, args.report = ready, lambda out: print(json.dumps(out), flush=True)
+        _loop_runner()(_CLIENTS[args.client_kind](args.client, args))
         return 0
-    for name in ("sessions", "turns", "max_tokens", "long_max_tokens"):
+    for name in ("sessions", "turns", "max_tokens", "long_max_tokens", "repeats"):
         if getattr(args, name) < 1:
             print(f"mixrl bench serve: --{name.replace('_', '-')} must be >= 1", flush=True)
             return 2
