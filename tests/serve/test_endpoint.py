@@ -186,8 +186,34 @@ def test_errors_are_openai_shaped_and_auth(tiny: Path) -> None:
         assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
         resp = await http2.get("/v1/nothing", headers={"Authorization": "Bearer secret"})
         assert resp.status_code == 404 and "error" in resp.json()
+        resp = await http2.get("/v1/chat/completions", headers={"Authorization": "Bearer secret"})
+        assert resp.status_code == 405 and resp.json()["error"]["message"]
+        resp = await http2.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]},
+                                headers={"Authorization": "Bearer secret", "X-Session-ID": ""})
+        assert resp.status_code == 200  # an empty header: the session of the body's user field (none)
         models = await good.models.list()
         assert [m.id for m in models.data] == ["tiny"]
 
     asyncio.run(run())
     assert json.dumps(core.counts)
+
+
+def test_internal_error_is_an_openai_500_with_the_traceback_logged(tiny: Path, caplog) -> None:
+    from mixrl.serve.app import make_app
+
+    core, _ = _core(tiny)
+
+    async def broken(session, request):
+        raise RuntimeError("engine exploded")
+
+    core.generate = broken
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=make_app(core)), base_url="http://test")
+
+    async def run():
+        return await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+
+    with caplog.at_level("ERROR", logger="mixrl.serve"):
+        resp = asyncio.run(run())
+    assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error"
+    assert "engine exploded" in caplog.text  # the traceback is in the log, not in the answer
+    assert "engine exploded" not in resp.text

@@ -69,7 +69,7 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
     from mixrl.fleet.weights import WeightStore
     from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
-    from mixrl.serve.app import make_app
+    from mixrl.serve.app import make_app, server_options
     from mixrl.serve.core import ServeCore
 
     async def make_replica(group: str, name: str) -> _Replica:
@@ -89,7 +89,7 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
     core = ServeCore(chat, fleet.generate, model=args.model, max_total_tokens=args.max_total_tokens,
                      default_max_tokens=args.max_tokens)
     config = uvicorn.Config(make_app(core, api_key=api_key), host=args.host, port=args.port,
-                            log_level="warning", access_log=False, timeout_keep_alive=75)
+                            timeout_keep_alive=75, **server_options())
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
     while not server.started and not task.done():

@@ -49,7 +49,7 @@ class InRunEndpoint:
             return ep
         import uvicorn
 
-        from mixrl.serve.app import make_app
+        from mixrl.serve.app import make_app, server_options
 
         routes: dict[str, Any] = {}
 
@@ -72,7 +72,7 @@ class InRunEndpoint:
         # keep-alive longer than an agent's tool call: a connection the server closes while the
         # agent sends its next request would fail that request (agents' clients do not retry)
         config = uvicorn.Config(make_app(core, api_key=api_key), host="127.0.0.1", port=port,
-                                log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=300)
+                                lifespan="off", timeout_keep_alive=300, **server_options())
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # the run owns Ctrl-C
         task = asyncio.ensure_future(server.serve())
