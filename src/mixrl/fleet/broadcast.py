@@ -24,13 +24,18 @@ replica) and a trainer rank keeps its own FSDP group untouched.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import pickle
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mixrl.fleet.weights import KEEP_VERSIONS
 
 ALIGN = 64
 TIMEOUT_S = 300.0  # a receiver waits for the trainer's send (it may be mid-step)
@@ -76,25 +81,32 @@ class WeightBroadcast:
         opts.rootRank = self.src
         self.group.broadcast([t], opts).wait()
 
-    def send(self, sd: Mapping[str, torch.Tensor]) -> None:
-        """Send one version (with its layout, if it differs from the last one sent)."""
-        layout, size = layout_of(sd)
-        blob = b"" if layout == self.layout else pickle.dumps(layout)
+    def _head(self, blob: bytes, size: int) -> None:
         self._bcast(torch.tensor([len(blob), size], dtype=torch.int64, device=self.device))
         if blob:
             self._bcast(torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device))
-        self.layout, self.size = layout, size
-        buf = torch.empty(size, dtype=torch.uint8, device=self.device)
-        for k, dt, shape, off, nb in layout:
-            if nb:
-                buf[off : off + nb].view(dt).view(shape).copy_(sd[k].detach())
+
+    def send(self, sd: Mapping[str, torch.Tensor]) -> None:
+        """Send one version (with its layout, if it differs from the last one sent)."""
+        self.send_packed(*pack(sd))
+
+    def send_packed(self, layout: Layout, buf: torch.Tensor) -> None:
+        """Send a version already packed (``pack``) into one buffer on this channel's device."""
+        self._head(b"" if layout == self.layout else pickle.dumps(layout), buf.numel())
+        self.layout, self.size = layout, buf.numel()
         self._bcast(buf)
 
-    def recv(self) -> dict[str, torch.Tensor]:
-        """The next version, as views of one received buffer."""
+    def send_none(self) -> None:
+        """Tell the receiver that the version it waits for is no longer held (its ``recv`` returns None)."""
+        self._head(b"", -1)
+
+    def recv(self) -> dict[str, torch.Tensor] | None:
+        """The next version, as views of one received buffer; None if the sender no longer held it."""
         head = torch.empty(2, dtype=torch.int64, device=self.device)
         self._bcast(head)
         n, size = (int(x) for x in head.tolist())
+        if size < 0:
+            return None
         if n:
             blob = torch.empty(n, dtype=torch.uint8, device=self.device)
             self._bcast(blob)
@@ -105,6 +117,17 @@ class WeightBroadcast:
         buf = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._bcast(buf)
         return {k: buf[off : off + nb].view(dt).view(shape) for k, dt, shape, off, nb in self.layout}
+
+
+def pack(sd: Mapping[str, torch.Tensor]) -> tuple[Layout, torch.Tensor]:
+    """A version as its layout and one flat byte buffer (on the tensors' device)."""
+    layout, size = layout_of(sd)
+    first = next(iter(sd.values()), None)
+    buf = torch.empty(size, dtype=torch.uint8, device=first.device if first is not None else "cpu")
+    for k, dt, shape, off, nb in layout:
+        if nb:
+            buf[off : off + nb].view(dt).view(shape).copy_(sd[k].detach())
+    return layout, buf
 
 
 class Broadcast:
@@ -123,38 +146,98 @@ def join(host: str, port: int, device: str = "cpu") -> WeightBroadcast:
 class Sender:
     """The trainer's side: its newest ``keep`` versions and one channel per replica.
 
-    ``hold`` keeps a version (a detached copy) and returns its number, which is all the
-    weight store holds; ``open(name, host, device)`` starts replica ``name``'s channel
-    (rank 0, completed in a thread once the replica joins) and returns (host, port);
-    ``send(name, version)`` sends a held version over it. A channel whose replica died
-    fails only its own sends; ``close`` forgets it."""
+    ``hold`` packs a version once (a detached copy in one buffer, whatever the number of
+    replicas) and returns its number, which is all the weight store holds; ``open(name,
+    host, device)`` starts replica ``name``'s channel (rank 0, completed in a thread once
+    the replica joins) and returns (host, port); ``send(name, version)`` sends a held
+    version over it, or, if it was evicted meanwhile, says so in-band (the replica's
+    ``recv`` returns None and it loads the newest instead) and returns False. Sends to
+    different replicas run side by side (the trainer actor serves them in their own
+    threads), one at a time per channel. A channel whose replica died fails only its own
+    sends; ``close`` forgets it, wakes a send waiting for it and shuts its process group
+    down."""
 
-    def __init__(self, keep: int = 2):
-        import concurrent.futures
-
+    def __init__(self, keep: int = KEEP_VERSIONS):
         self.keep = keep
-        self.held: dict[int, dict[str, torch.Tensor]] = {}
+        self.held: dict[int, tuple[Layout, torch.Tensor]] = {}  # version -> packed on the trainer's device
+        self._moved: dict[tuple[int, str], torch.Tensor] = {}  # (version, device) -> the buffer there
         self.channels: dict[str, Any] = {}  # name -> future of its WeightBroadcast
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="mixrl-channel")
+        self._locks: dict[str, threading.Lock] = {}  # name -> one send at a time on its channel
+        self._lock = threading.Lock()
 
-    def hold(self, version: int, sd: dict[str, torch.Tensor]) -> int:
-        self.held[version] = sd
-        for old in sorted(self.held)[: -self.keep]:
-            del self.held[old]
+    def hold(self, version: int, sd: Mapping[str, torch.Tensor]) -> int:
+        packed = pack(sd)
+        with self._lock:
+            self.held[version] = packed
+            for old in sorted(self.held)[: -self.keep]:
+                del self.held[old]
+            for key in [k for k in self._moved if k[0] not in self.held]:
+                del self._moved[key]
         return version
 
     def open(self, name: str, host: str, device: str = "cpu") -> tuple[str, int]:
+        import concurrent.futures
+
         store = listen(host)
-        self.channels[name] = self._pool.submit(
-            lambda: WeightBroadcast(open_channel(0, store=store, device=device), src=0, device=device))
+        fut: concurrent.futures.Future[WeightBroadcast] = concurrent.futures.Future()
+
+        def connect() -> None:  # a daemon thread: a replica that never joins must not hold exit
+            try:
+                fut.set_result(WeightBroadcast(open_channel(0, store=store, device=device), src=0, device=device))
+            except BaseException as e:  # noqa: BLE001 - the send that waits for it raises it
+                fut.set_exception(e)
+
+        with self._lock:
+            self._locks[name] = threading.Lock()
+            self.channels[name] = fut
+        threading.Thread(target=connect, name=f"mixrl-channel-{name}", daemon=True).start()
         return host, int(store.port)
 
-    def send(self, name: str, version: int) -> None:
-        if version not in self.held:
-            raise KeyError(f"weights version {version} is no longer held (held: {sorted(self.held)})")
-        if name not in self.channels:
-            raise KeyError(f"no weights channel to replica {name!r}")
-        self.channels[name].result(timeout=TIMEOUT_S).send(self.held[version])
+    def _buffer(self, version: int, device: torch.device) -> tuple[Layout, torch.Tensor] | None:
+        with self._lock:
+            if version not in self.held:
+                return None
+            layout, buf = self.held[version]
+            if buf.device != device:  # once per (version, device), not once per replica
+                key = (version, str(device))
+                if key not in self._moved:
+                    self._moved[key] = buf.to(device)
+                buf = self._moved[key]
+            return layout, buf
+
+    def _channel(self, name: str) -> WeightBroadcast:
+        import concurrent.futures
+
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            fut = self.channels.get(name)
+            if fut is None:
+                raise KeyError(f"no weights channel to replica {name!r}")
+            try:
+                return fut.result(timeout=0.5)
+            except concurrent.futures.TimeoutError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"replica {name!r} did not join its weights channel in {TIMEOUT_S:.0f} s") from None
+
+    def send(self, name: str, version: int) -> bool:
+        ch = self._channel(name)
+        with self._locks[name]:
+            packed = self._buffer(version, ch.device)
+            if packed is None:
+                ch.send_none()
+                return False
+            ch.send_packed(*packed)
+            return True
 
     def close(self, name: str) -> None:
-        self.channels.pop(name, None)
+        with self._lock:
+            fut = self.channels.pop(name, None)
+            self._locks.pop(name, None)
+        if fut is not None and fut.done() and fut.exception() is None:
+            # in a thread: shutting down a group whose peer is gone must not hold the trainer
+            threading.Thread(target=_shutdown, args=(fut.result().group,), daemon=True).start()
+
+
+def _shutdown(group: Any) -> None:
+    with contextlib.suppress(Exception):
+        group.shutdown()

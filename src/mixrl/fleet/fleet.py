@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mixrl.fleet.handles import SamplerHandle
+from mixrl.fleet.handles import SamplerHandle, Superseded
 from mixrl.fleet.router import CATCHING_UP, DRAINING, FAILED, READY, NoReplicaAvailable, Router
 from mixrl.fleet.weights import WeightStore
 from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
@@ -235,6 +235,11 @@ class Fleet:
             version, ref = self.store.get()
             try:
                 await self.handles[name].load_weights(ref, version)
+            except Superseded as e:
+                if version < self.store.latest:
+                    continue  # a newer version evicted it meanwhile: load that one
+                self._mark_failed(name, ReplicaFailure(f"{name}: the newest weights version {version} is not held: {e}"))
+                return
             except ReplicaFailure as e:
                 self._mark_failed(name, e)
                 return

@@ -15,6 +15,11 @@ from typing import Any
 from mixrl.sampling.base import GenerationRequest, GenerationResult
 
 
+class Superseded(Exception):
+    """A load whose version the source no longer holds (a newer one evicted it before this
+    replica's turn): not a failure; the fleet loads the newest version instead."""
+
+
 class SamplerHandle(abc.ABC):
     name: str  # unique replica name, "<group>/<index>"
     group: str  # sampler group
@@ -25,7 +30,8 @@ class SamplerHandle(abc.ABC):
 
     @abc.abstractmethod
     async def load_weights(self, ref: Any, version: int) -> None:
-        """Load a stored version (``ref`` from the weight store); quantize on load."""
+        """Load a stored version (``ref`` from the weight store); quantize on load.
+        ``Superseded`` if the version is gone and a newer one should be loaded."""
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -24,6 +24,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+KEEP_VERSIONS = 2  # versions held at once (the weight store's and the broadcast sender's default)
+
 
 def copy_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
     """A detached copy (the in-process ``put``): later in-place updates do not leak in."""
@@ -31,7 +33,7 @@ def copy_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 class WeightStore:
-    def __init__(self, put: Callable[[dict[str, Any]], Any] = copy_state_dict, keep: int = 2):
+    def __init__(self, put: Callable[[dict[str, Any]], Any] = copy_state_dict, keep: int = KEEP_VERSIONS):
         if keep < 1:
             raise ValueError(f"WeightStore.keep must be >= 1, got {keep}")
         self._put = put

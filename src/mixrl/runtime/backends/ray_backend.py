@@ -46,6 +46,7 @@ import asyncio
 import contextlib
 import os
 import tempfile
+import threading
 from typing import Any
 
 import ray
@@ -55,9 +56,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mixrl.config.run import ConfigError, RunConfig
 from mixrl.fleet.broadcast import Broadcast
-from mixrl.fleet.handles import SamplerHandle
+from mixrl.fleet.handles import SamplerHandle, Superseded
 from mixrl.rollout.types import Trajectory
 from mixrl.runtime.backends.format_refs import FormatRefs
+from mixrl.runtime.backends.placement import bundle, cpus_needed
 from mixrl.runtime.backends.ray_auth import RayAuthError, _require_token_mode, check_cluster_token  # noqa: F401
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
@@ -65,14 +67,6 @@ from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFail
 # Actors take their resources from their placement-group bundle (``_placed``).
 _ACTOR_OPTS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
 PLACEMENT_TIMEOUT_S = 60.0  # a bundle no node can hold fails its replica instead of waiting forever
-
-
-def bundle(num_cpus: float, num_gpus: float, memory_gb: float, accelerator_type: str | None) -> dict[str, float]:
-    """One placement-group bundle: what a replica or rank reserves (zero entries left out)."""
-    b = {"CPU": num_cpus, "GPU": num_gpus, "memory": float(int(memory_gb * 2**30))}
-    if accelerator_type:
-        b[f"accelerator_type:{accelerator_type}"] = 0.001  # as Ray's own accelerator_type option
-    return {k: v for k, v in b.items() if v > 0}
 
 
 def _actor_options(pg: Any, index: int, b: dict[str, float]) -> dict[str, Any]:
@@ -140,9 +134,13 @@ class SamplerActor:
 
         self.channel = await asyncio.to_thread(join, host, port, device)
 
-    async def recv_weights(self, version: int) -> None:
-        """One version over the channel (the trainer sends it meanwhile), loaded."""
-        await self.sampler.load_weights(await asyncio.to_thread(self.channel.recv), version)
+    async def recv_weights(self, version: int) -> bool:
+        """One version over the channel (the trainer sends it meanwhile), loaded; False if
+        the trainer no longer held it."""
+        sd = await asyncio.to_thread(self.channel.recv)
+        if sd is not None:
+            await self.sampler.load_weights(sd, version)
+        return sd is not None
 
     def pid(self) -> int:
         return os.getpid()
@@ -151,12 +149,14 @@ class SamplerActor:
         return ray.get_runtime_context().get_node_id()
 
 
-@ray.remote(**_ACTOR_OPTS)
+@ray.remote(concurrency_groups={"weights": 8}, **_ACTOR_OPTS)  # type: ignore[call-overload]
 class TrainerActor:
     def __init__(self, cfg: dict[str, Any], model_path: str, loss_cfg: Any) -> None:
         from mixrl.runtime.trainer_state import build_trainer
 
         self.trainer, self.tokenizer = build_trainer(RunConfig.model_validate(cfg), model_path, loss_cfg)
+        self.sender: Any = None
+        self._sender_lock = threading.Lock()
 
     def step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
         return self.trainer.step(trajectories, advantages)
@@ -167,25 +167,29 @@ class TrainerActor:
     def weights(self) -> dict[str, Any]:
         return self.trainer.state_dict_for_samplers()  # detached CPU copies
 
-    # -- broadcast transport (fleet.broadcast.Sender): versions stay here until sent
+    # -- broadcast (fleet.broadcast.Sender): sends in their own threads, never holding the update
     def publish(self) -> int:
         return self._sender().hold(int(self.trainer.version), self.trainer.state_dict_for_samplers())
 
+    @ray.method(concurrency_group="weights")
     def channel_open(self, name: str, device: str) -> tuple[str, int]:
         return self._sender().open(name, ray.util.get_node_ip_address(), device)
 
-    def send_weights(self, name: str, version: int) -> None:
-        self._sender().send(name, version)
+    @ray.method(concurrency_group="weights")
+    def send_weights(self, name: str, version: int) -> bool:
+        return bool(self._sender().send(name, version))
 
+    @ray.method(concurrency_group="weights")
     def channel_close(self, name: str) -> None:
         self._sender().close(name)
 
     def _sender(self) -> Any:
-        if getattr(self, "sender", None) is None:
-            from mixrl.fleet.broadcast import Sender
+        with self._sender_lock:  # methods of two concurrency groups may ask first
+            if self.sender is None:
+                from mixrl.fleet.broadcast import Sender
 
-            self.sender = Sender()
-        return self.sender
+                self.sender = Sender()
+            return self.sender
 
     def state(self) -> dict[str, Any]:
         from mixrl.runtime.trainer_state import trainer_state
@@ -329,9 +333,11 @@ class RaySampler(SamplerHandle):
                 await self.actor.channel_join.remote(host, port, self.device)
                 self._joined = True
             sent = self.trainer.send_weights.remote(self.name, version)
-            await asyncio.gather(self.actor.recv_weights.remote(version), sent)
+            loaded, _ = await asyncio.gather(self.actor.recv_weights.remote(version), sent)
         except (RayActorError, RayTaskError) as e:
             raise _replica_error(e, self.name) from e
+        if not loaded:
+            raise Superseded(f"the trainer no longer holds weights version {version}")
 
     async def close(self) -> None:
         if self._joined:
@@ -404,16 +410,10 @@ class RayBackend(Backend):
         else:
             tmp = tempfile.mkdtemp(prefix="mixrl-ray-")
             ray.init(
-                num_cpus=self.cfg.runtime.ray.num_cpus or max(os.cpu_count() or 1, self._cpus_needed()),
+                num_cpus=self.cfg.runtime.ray.num_cpus or max(os.cpu_count() or 1, cpus_needed(self.cfg)),
                 include_dashboard=False, _temp_dir=tmp, log_to_driver=False, configure_logging=False,
             )
         self._started_here = True
-
-    def _cpus_needed(self) -> int:
-        """Logical CPUs of the fleet at its largest plus the trainer ranks."""
-        t = self.cfg.trainer
-        need = sum(g.max_replicas * g.num_cpus for g in self.cfg.fleet.groups) + t.world_size * t.num_cpus
-        return int(need + 0.999)
 
     def _trainer_bundle(self) -> dict[str, float]:
         t = self.cfg.trainer
