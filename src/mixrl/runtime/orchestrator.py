@@ -44,6 +44,7 @@ from mixrl.fleet.weights import WeightStore
 from mixrl.rollout.advantages import batch_advantages
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.runtime import batch as batchlib
+from mixrl.runtime.cpu import LoopCPU
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.runtime.ranks import RankFailure
 from mixrl.runtime.sessions import Sessions, task_from_dict
@@ -88,9 +89,7 @@ class Orchestrator:
         self.fleet: Fleet
         self.sessions: Sessions
         self.autoscaler: Autoscaler | None = None
-        # (this process's CPU s, {worker pid: CPU s}) at the loop's start and end; _cpu_summary
-        self._cpu0: tuple[float, dict[int, float] | None] | None = None
-        self._cpu1: tuple[float, dict[int, float] | None] | None = None
+        self._cpu: LoopCPU | None = None  # CPU seconds of the loop (this process, sampler workers)
 
     # ------------------------------------------------------------------ setup
     async def setup(self) -> None:
@@ -201,7 +200,8 @@ class Orchestrator:
             loop.add_signal_handler(signal.SIGINT, self.request_stop)
         scaler = asyncio.ensure_future(self.autoscaler.run()) if self.autoscaler else None
         t_start = time.perf_counter() - self.timers["elapsed_s"]
-        self._cpu0 = (time.process_time(), _worker_cpu(self.fleet))
+        self._cpu = LoopCPU(self.backend, self.fleet)
+        self._cpu.start()
         interrupted = False
         try:
             while self.step < self.cfg.runtime.steps:
@@ -234,6 +234,7 @@ class Orchestrator:
                 self.timers["elapsed_s"] = elapsed
                 m = self._metrics(trajs, tmetrics, bmetrics, astats, (t0, t1, t2, t3), elapsed)
                 self._record(m, elapsed)
+                self._cpu.poll()  # a replica that dies later counts up to here at least
                 if self.sinks is not None and hasattr(self.sinks, "batch"):
                     self.sinks.batch(self.step, version, groups)
                 if self.cfg.observe.stop_on_collapse and self.monitor is not None and self.monitor.collapsed:
@@ -254,7 +255,7 @@ class Orchestrator:
             print(f"the trainer failed at step {self.step}; {where}", file=sys.stderr, flush=True)
             raise
         finally:
-            self._cpu1 = (time.process_time(), _worker_cpu(self.fleet))
+            self._cpu.stop()
             if scaler is not None:
                 scaler.cancel()
             await self.sessions.cancel_all()
@@ -321,38 +322,15 @@ class Orchestrator:
         }
 
     def _cpu_summary(self) -> dict[str, float | None]:
-        """CPU seconds over the training loop: this process (trainer and event loop), the
-        trainer's updates alone, and the sampler worker processes (None where unknown)."""
-        c0, c1 = self._cpu0, self._cpu1
+        """CPU seconds over the training loop (see ``runtime.cpu``)."""
         train = sum(m.get("perf/train_step_cpu_s", 0.0) for m in self.history)
-        if c0 is None or c1 is None:
-            return {"orchestrator_s": None, "trainer_s": train, "samplers_s": None}
-        (p0, w0), (p1, w1) = c0, c1
-        workers = None if w0 is None or w1 is None else sum(c - w0.get(pid, 0.0) for pid, c in w1.items())
-        return {"orchestrator_s": p1 - p0, "trainer_s": train, "samplers_s": workers}
+        if self._cpu is None:
+            return {"orchestrator_s": None, "trainer_s": train, "samplers_s": None, "sampler_startup_s": None}
+        return self._cpu.summary(train)
 
     async def close(self) -> None:
         await self.fleet.close()
         await self.trainer.close()
-
-
-def _worker_cpu(fleet: Fleet) -> dict[int, float] | None:
-    """pid -> CPU seconds (user + system) of every replica that is a process of this machine
-    (None without /proc, or when no replica is a process: thread replicas count in this one)."""
-    import os
-
-    pids = [p for h in fleet.handles.values() if isinstance(p := getattr(h, "pid", None), int) and p > 0]
-    if not pids or not os.path.isdir("/proc"):
-        return None
-    tick, out = os.sysconf("SC_CLK_TCK"), {}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the replica is gone: its time since the last reading is not known
-            continue
-        out[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-    return out
 
 
 def _cost_model(profiles: dict[str, Any]) -> Any:

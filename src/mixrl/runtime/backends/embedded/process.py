@@ -73,6 +73,11 @@ class ProcessSampler(SamplerHandle):
         self.proc: Any = None
         self.conn: Any = None
         self.pid = -1
+        # the worker's CPU seconds when it became ready (its start-up) and the last reading
+        # (kept once the process is gone; see ``runtime.cpu``)
+        self.cpu_ready: float | None = None
+        self._cpu_last: float | None = None
+        self._exited = False
 
     # -- life cycle ------------------------------------------------------------------
     async def start(self, model_path: str, profile: Any, seed: int, threads: int, timeout: float = START_TIMEOUT_S) -> None:
@@ -100,7 +105,20 @@ class ProcessSampler(SamplerHandle):
             except Exception:  # noqa: BLE001 - EOF, reset, or a reply that cannot be read: the worker is lost
                 break
             self._post(self._deliver, *msg)
+        self.cpu_s()  # its last reading: the process has exited (not yet reaped) or is exiting
+        self._exited = True
         self._post(self._lost)
+
+    def cpu_s(self) -> float | None:
+        """The worker process's CPU seconds (user + system) so far: read while it runs,
+        the last reading once it has exited (its pid may be reused)."""
+        if self.pid > 0 and not self._exited:
+            from mixrl.runtime.cpu import proc_cpu
+
+            c = proc_cpu(self.pid)
+            if c is not None:
+                self._cpu_last = c
+        return self._cpu_last
 
     def _post(self, fn: Any, *args: Any) -> None:
         assert self._loop is not None
@@ -110,6 +128,8 @@ class ProcessSampler(SamplerHandle):
     def _deliver(self, kind: str, rid: int, payload: Any) -> None:
         if kind == "ready":
             if self._ready is not None and not self._ready.done():
+                self.pid = int(payload)
+                self.cpu_ready = self.cpu_s()
                 self._ready.set_result(payload)
             return
         if kind == "fatal":

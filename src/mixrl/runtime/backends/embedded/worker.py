@@ -13,6 +13,8 @@ messages from one duplex pipe:
     ("gen",  id, GenerationRequest)           ("ok",  id, GenerationResult)
     ("load", id, (manifest, version))         ("ok",  id, seconds the load took)
     ("quant", id, (base manifest, path))      ("ok",  id, (manifest of path, seconds))
+    ("stats", id, None)                       ("ok",  id, {requests, prompt_tokens, gen_tokens,
+                                                           prefills, steps, cpu_s})
     ("stop", 0, None)                         ("err", id, "ExcType: message")
                                               ("ready", 0, pid) / ("fatal", 0, traceback)
 
@@ -87,10 +89,19 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
         with send_lock, contextlib.suppress(BrokenPipeError, OSError):  # parent gone: nobody to tell
             conn.send(msg)
 
+    stats = {"requests": 0, "prompt_tokens": 0, "gen_tokens": 0}
+
     async def handle(kind: str, rid: int, payload: Any) -> None:
         try:
             if kind == "gen":
-                send(("ok", rid, await sampler.generate(payload)))
+                stats["requests"] += 1
+                stats["prompt_tokens"] += len(payload.prompt_ids)
+                res = await sampler.generate(payload)
+                stats["gen_tokens"] += len(res.token_ids)
+                send(("ok", rid, res))
+            elif kind == "stats":
+                send(("ok", rid, {**stats, "prefills": sampler.batches, "steps": sampler.steps,
+                                  "cpu_s": time.process_time()}))
             elif kind == "load":
                 manifest, version = payload
                 t0 = time.perf_counter()
