@@ -222,7 +222,10 @@ class SessionStore:
         self.history_rewrites = 0
 
     def state(self, session: str) -> SessionState:
-        return self.sessions.setdefault(session, SessionState())
+        st = self.sessions.get(session)
+        if st is None:  # not setdefault: that builds a state (and its lock) on every request
+            st = self.sessions[session] = SessionState()
+        return st
 
     def prompt(self, st: SessionState, session: str, messages: list[dict[str, Any]],
                tools: list[Any] | None) -> Trajectory:

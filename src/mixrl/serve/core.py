@@ -67,6 +67,7 @@ class ServeCore:
         self.max_total_tokens, self.default_max_tokens = max_total_tokens, default_max_tokens
         self.record, self.tool_parser = record, tool_parser
         self.sessions = SessionStore(chat)
+        self.stop_ids = chat.stop_ids  # a property that builds its tuple on every read
         self.counts = {"requests": 0, "errors": 0, "generated_tokens": 0}
         # response ids: unique per server (a random prefix, then a counter), without a
         # system call per request as uuid4 makes
@@ -99,7 +100,7 @@ class ServeCore:
             raise ApiError(400, f"seed must be an integer, got {seed!r}", param="seed")
         greedy = temperature == 0
         params = SamplingParams(temperature=1.0 if greedy else temperature, top_p=top_p, top_k=1 if greedy else 0,
-                                max_new_tokens=min(max_tokens, room), stop_ids=self.chat.stop_ids,
+                                max_new_tokens=min(max_tokens, room), stop_ids=self.stop_ids,
                                 record=self.record, seed=None if seed is None else seed & 0xFFFFFFFF)
         return params, n, stop
 
@@ -171,7 +172,7 @@ class ServeCore:
             for i, res in enumerate(results):
                 ids, text, stopped = self._cut(res.token_ids, stop)
                 content, calls = toolcalls.parse(text, tools, parser)
-                ended = stopped or (bool(ids) and ids[-1] in self.chat.stop_ids)
+                ended = stopped or (bool(ids) and ids[-1] in self.stop_ids)
                 message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
                 if calls:
                     message["tool_calls"] = calls
@@ -214,7 +215,7 @@ class ServeCore:
         for i, res in enumerate(results):
             kept, text, stopped = self._cut(res.token_ids, stop)
             gen += len(kept)
-            ended = stopped or (bool(kept) and kept[-1] in self.chat.stop_ids)
+            ended = stopped or (bool(kept) and kept[-1] in self.stop_ids)
             choices.append({"index": i, "text": text, "finish_reason": "stop" if ended else "length",
                             "logprobs": None})
         self.counts["requests"] += 1
