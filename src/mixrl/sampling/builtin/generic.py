@@ -32,7 +32,7 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from mixrl.models.moe import is_router
-from mixrl.sampling.builtin.hf_cache import QuantizedKVCache
+from mixrl.sampling.builtin.hf_cache import GrowingLayer, QuantizedKVCache
 from mixrl.sampling.builtin.precision import Precision
 from mixrl.sampling.builtin.qwen3_forward import _clean
 
@@ -142,7 +142,7 @@ class _GenericBatch:
     @property
     def can_absorb(self) -> bool:
         # plain layers only: a sliding-window layer keeps its own count of columns seen
-        return all(type(layer) is DynamicLayer for layer in self.cache.layers)
+        return all(type(layer) in (DynamicLayer, GrowingLayer) for layer in self.cache.layers)
 
     def absorb(self, other: _GenericBatch, col: int, need: int, max_rows: int) -> int:
         """Rows of ``other`` join (see ``fast``): both sides are left-padded with zeros
