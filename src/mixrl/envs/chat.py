@@ -42,6 +42,7 @@ from typing import Any
 
 SENTINEL = "\ue000{}\ue001"  # private-use characters: no template or text contains them
 FILLER_USER, FILLER_REPLY = "\ue002", "\ue003"
+CONTENT_CACHE = 4096  # encoded message contents kept per chat format
 
 
 class ChatTemplateError(ValueError):
@@ -73,6 +74,9 @@ class ChatFormat:
             )
         self.eos_id: int = int(tokenizer.eos_token_id)
         self._frames: dict[Any, tuple[list[int], list[int]]] = {}
+        # content -> its untrusted encoding: a task's question is encoded once for its G
+        # samples, and tool outputs and reminders repeat ("87", "error: ...", the nudge)
+        self._contents: dict[str, tuple[int, ...]] = {}
         probe = self._render([{"role": "user", "content": FILLER_USER},
                               {"role": "assistant", "content": FILLER_REPLY}], False)
         suffix = probe[probe.rindex(FILLER_REPLY) + 1 :]
@@ -124,7 +128,14 @@ class ChatFormat:
         frame = self._frames.get(key)
         if frame is None:
             frame = self._frames[key] = self._frame(render())
-        return frame[0] + encode_untrusted(self.tokenizer, content) + frame[1]
+        ids = self._contents.get(content)
+        if ids is None:
+            ids = tuple(encode_untrusted(self.tokenizer, content))
+            while self._contents and len(self._contents) >= CONTENT_CACHE:  # bounded: oldest out
+                del self._contents[next(iter(self._contents))]
+            if CONTENT_CACHE > 0:
+                self._contents[content] = ids
+        return [*frame[0], *ids, *frame[1]]
 
     def _after_reply(self, role: str, content: str) -> list[int]:
         """What a template writes after an assistant reply's end-of-turn token for a ``role`` turn."""

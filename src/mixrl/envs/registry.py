@@ -34,6 +34,7 @@ come from the dataset rows (``mixrl.data``) whatever the environment, and
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.metadata
 import inspect
@@ -133,12 +134,24 @@ def get_family(name: str) -> Family:
     return FAMILIES[name]
 
 
-def _accepted(factory: Callable[..., Any]) -> set[str] | None:
+def _accepted(factory: Callable[..., Any]) -> frozenset[str] | None:
     """Option names ``factory(task, chat, **options)`` accepts (None: any, it takes **kwargs)."""
+    try:  # asked once per session: the signature does not change
+        return _accepted_cached(factory)
+    except TypeError:  # an unhashable callable
+        return _signature_options(factory)
+
+
+@functools.lru_cache(maxsize=256)
+def _accepted_cached(factory: Callable[..., Any]) -> frozenset[str] | None:
+    return _signature_options(factory)
+
+
+def _signature_options(factory: Callable[..., Any]) -> frozenset[str] | None:
     params = inspect.signature(factory).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return None
-    return {n for n, p in list(params.items())[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return frozenset(n for n, p in list(params.items())[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
 def check_env(name: str, options: dict[str, Any], has_data: bool) -> None:
