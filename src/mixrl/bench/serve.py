@@ -379,10 +379,9 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
         "max_wait_ms": args.max_wait_ms, "idle_ms": args.idle_ms}
     if "openai_client" in med:
         o = med["openai_client"]
-        res["openai_client"] = {"over_direct": round(o["tokens_per_s"] / direct["tokens_per_s"], 3),
+        med["openai_client"] = {"over_direct": round(o["tokens_per_s"] / direct["tokens_per_s"], 3),
                                 "client": runs["openai_client"][0]["client"],
-                                "client_cpu_ms_per_request": o["client_cpu_ms_per_request"],
-                                "server_cpu_ms_per_request": server_ms(o)}
+                                "server_cpu_ms_per_request": server_ms(o), **o}
     return {**res, **med, "runs": runs}
 
 
