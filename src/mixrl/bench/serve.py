@@ -29,10 +29,12 @@ openai_client), so a change of the machine's load hits every arm alike; each
 arm reports the median of its rounds and the range of its tokens/s, and every
 round's figures are kept (``runs``). ``endpoint_over_direct`` is the ratio of the
 median generated tokens per second (goal >= 0.8 at 64 concurrent sessions;
-``pair_ratios``: each round's endpoint over that round's direct). Requests carry
-the same seeds in every arm, so they sample the same tokens (``same_tokens``).
-Also reported: requests/s, p50/p99 latency, the CPU time of this process per
-arm (``serve_cpu_s``: while the clients ran, so without the server's start),
+``pair_ratios``: each round's endpoint over that round's direct, and
+``pair_ratio_median``, which a drift of the machine's speed during the run does
+not move). Requests carry the same seeds in every arm, so they sample the same
+tokens (``same_tokens``). Also reported: requests/s, p50/p99 latency, the CPU
+time of this process per arm (``serve_cpu_s``: over the timed load only, not the
+server's start or the clients' connections and warm-up),
 the engine's prefills and decode steps, the client's CPU per request, and
 ``server_cpu_ms_per_request`` (the endpoint's median CPU here beyond the direct
 arm's, per request: HTTP, templating, recording, JSON, and any extra engine
@@ -364,10 +366,13 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
     def server_ms(arm: dict[str, Any]) -> float:  # this process's CPU beyond the direct arm's, per request
         return round((arm["serve_cpu_s"] - direct["process_cpu_s"]) / n_req * 1e3, 2)
 
+    pairs = [round(e["tokens_per_s"] / d["tokens_per_s"], 3) for d, e in zip(runs["direct"], runs["endpoint"],
+                                                                               strict=True)]
     res: dict[str, Any] = {
         "endpoint_over_direct": round(endpoint["tokens_per_s"] / direct["tokens_per_s"], 3),
-        "pair_ratios": [round(e["tokens_per_s"] / d["tokens_per_s"], 3)
-                        for d, e in zip(runs["direct"], runs["endpoint"], strict=True)],
+        # each round's endpoint over the direct arm just before it, and their median: a machine
+        # whose speed drifts during the run moves the medians of the arms apart, not these
+        "pair_ratios": pairs, "pair_ratio_median": statistics.median(pairs),
         "server_cpu_ms_per_request": server_ms(endpoint),
         "requests_over_direct": round(endpoint["requests_per_s"] / direct["requests_per_s"], 3),
         "client": runs["endpoint"][0]["client"], "client_cpu_ms_per_request": endpoint["client_cpu_ms_per_request"],
