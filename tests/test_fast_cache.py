@@ -64,3 +64,31 @@ def test_generic_engine_logprobs_unchanged(tmp_path, monkeypatch):
     for a, b in zip(ours, ref, strict=True):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-5
+
+
+def test_fast_path_reuses_kv_storage(tmp_path):
+    from mixrl.sampling.base import GenerationRequest, SamplingParams
+    from mixrl.sampling.builtin.engine import BuiltinEngine
+    from mixrl.sampling.profiles import get_profile
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128)  # fmt: skip
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path)
+    e = BuiltinEngine(str(tmp_path), get_profile("fp32"), "g", stop_on_eos=False, max_batch=4)
+    assert e.path_name == "qwen3-fast"
+    reqs = [GenerationRequest(list(range(1, 2 + 3 * i)), SamplingParams(max_new_tokens=10 + 7 * i, seed=i))
+            for i in range(4)]  # fmt: skip
+    first = e.generate_batch(reqs)
+    pool = e.path._pool
+    assert pool.idle is not None  # the dropped batch's storage is kept
+    with torch.inference_mode():
+        pool.idle.fill_(float("nan"))  # whatever it held must not reach the next batch
+    ptr = pool.idle.data_ptr()
+    again = e.generate_batch(reqs)
+    assert pool.idle is not None and pool.idle.data_ptr() == ptr  # reused, then returned
+    for a, b in zip(first, again, strict=True):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+    longer = [GenerationRequest(list(range(1, 30)), SamplingParams(max_new_tokens=60, seed=9))] * 4
+    assert all(len(r.token_ids) == 60 for r in e.generate_batch(longer))
+    assert pool.idle.numel() > 0 and pool.idle.data_ptr() != ptr  # too small: a larger one replaced it

@@ -33,14 +33,16 @@ from mixrl.sampling.builtin.precision import Hook
 class KVCache:
     def __init__(
         self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
-        dtype: torch.dtype, quantize: Hook | None,
+        dtype: torch.dtype, quantize: Hook | None, buffers: list[torch.Tensor] | None = None,
     ) -> None:
         shape = (batch, kv_heads, length, head_dim)
         # empty, not zeros: attention only reads columns [0, end) and every one of them
         # has been written (prefill writes all P columns, padding included, and each
         # decode step writes its column before reading), so garbage is never read.
-        self.k = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
-        self.v = [torch.empty(shape, dtype=dtype) for _ in range(layers)]
+        # ``buffers``: 2 * layers tensors of that shape to use instead (keys, then values).
+        if buffers is None:
+            buffers = [torch.empty(shape, dtype=dtype) for _ in range(2 * layers)]
+        self.k, self.v = list(buffers[:layers]), list(buffers[layers:])
         self.quantize = quantize
         self.rows = batch  # rows in use (the buffers may hold more)
         self.origin = 0  # physical column of logical column 0
