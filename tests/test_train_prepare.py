@@ -53,3 +53,36 @@ def test_prepare_matches_reference(kind: str, per_token: bool) -> None:
             got = getattr(r, f)
             assert got.dtype == want.dtype and torch.equal(got.nan_to_num(), want.nan_to_num()), f
             assert torch.equal(got.isnan(), want.isnan()), f
+
+
+@pytest.mark.parametrize("kind", ["none", "support"])
+@pytest.mark.parametrize("grid", [True, False])
+def test_collate_matches_per_record_reference(kind: str, grid: bool) -> None:
+    """Whole-batch index arithmetic in ``collate`` == concatenating each record's own slices."""
+    from mixrl.train.batch import collate
+
+    g = torch.Generator().manual_seed(4)
+    trajs = [make_traj(g, i, kind) for i in range(9)]
+    for i, t in enumerate(trajs):
+        t.info["temperature"] = 0.5 + 0.1 * i
+    records, _ = prepare(trajs, [0.1 * i for i in range(9)], vocab_size=V, cand_kind=kind)
+    tb = collate(records[2:], pad_id=3, grid=grid)
+    rs = records[2:]
+    cat = torch.cat
+    assert torch.equal(tb.targets, cat([r.tokens[r.gen_pos] for r in rs]))
+    assert torch.equal(tb.pred_cols, cat([r.gen_pos - 1 for r in rs]))
+    assert torch.equal(tb.seq_ids, cat([torch.full((len(r.gen_pos),), i) for i, r in enumerate(rs)]))
+    assert torch.equal(tb.temperature, cat([torch.full((len(r.gen_pos),), r.temperature) for r in rs]))
+    offs, k0 = [torch.zeros(1, dtype=torch.long)], 0
+    for r in rs:
+        offs.append(r.cand_offsets[1:] + k0)
+        k0 += len(r.cand_ids)
+    assert torch.equal(tb.cand_offsets, cat(offs)) and int(tb.cand_offsets[-1]) == len(tb.cand_ids)
+    if grid:
+        assert tb.input_ids.shape == (len(rs), max(len(r.tokens) for r in rs))
+        for i, r in enumerate(rs):
+            n = len(r.tokens)
+            assert torch.equal(tb.input_ids[i, :n], r.tokens) and bool((tb.input_ids[i, n:] == 3).all())
+            assert int(tb.attention_mask[i].sum()) == n
+    else:
+        assert tb.input_ids.shape == (len(rs), 0)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -160,6 +161,9 @@ def prepare(
     stats = BatchStats()
     records: list[Record] = []
     names: dict[str, int] = {}  # sampler group -> id, in order of appearance
+    flat: dict[str, list[list[Any]]] = {k: [] for k in ("tokens", "gen_pos", "sampler_logprobs", "versions", "group_ids")}
+    # shared by the records of a loss without candidates: tensors here are never written in place
+    empty_ids, empty_lq = torch.zeros(0, dtype=torch.long), torch.zeros(0)
     for i, (tr, adv) in enumerate(zip(trajectories, advantages, strict=True)):
         if tr.status in UNREWARDED:  # no reward (infra, reward function or agent failure): not trained
             stats.dropped_infra += 1
@@ -180,22 +184,29 @@ def prepare(
         if n == 0:
             stats.dropped_empty += 1
             continue
-        # plain lists first, one tensor per field: a step prepares every trajectory of the batch
+        # plain lists first: one tensor per field for the whole batch, split into per-record views
         gen_l = [t for t, m in enumerate(tr.loss_mask) if m]  # [n]
-        lq_l = [tr.sampler_logprobs[t] for t in gen_l]
-        gid = [names.setdefault(tr.groups[t], len(names)) for t in gen_l]
+        flat["tokens"].append(tr.tokens)
+        flat["gen_pos"].append(gen_l)
+        flat["sampler_logprobs"].append([tr.sampler_logprobs[t] for t in gen_l])
+        flat["versions"].append([tr.versions[t] for t in gen_l])
+        flat["group_ids"].append([names.setdefault(tr.groups[t], len(names)) for t in gen_l])
         if cand_kind == "none":
-            offs, ids, clq = torch.zeros(n + 1, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0)
+            offs, ids, clq = torch.zeros(n + 1, dtype=torch.long), empty_ids, empty_lq
         else:
             offs = torch.tensor(tr.cand_offsets, dtype=torch.long)
             ids = torch.tensor(tr.cand_ids, dtype=torch.long)
             clq = torch.tensor(tr.cand_logprobs, dtype=torch.float32)
         records.append(Record(
-            index=i, tokens=torch.tensor(tr.tokens, dtype=torch.long), gen_pos=torch.tensor(gen_l, dtype=torch.long),
-            sampler_logprobs=torch.tensor(lq_l, dtype=torch.float32), advantages=a,
-            versions=torch.tensor([tr.versions[t] for t in gen_l], dtype=torch.long),
-            group_ids=torch.tensor(gid, dtype=torch.long), temperature=temp,
+            index=i, tokens=empty_ids, gen_pos=empty_ids, sampler_logprobs=empty_lq, advantages=a,
+            versions=empty_ids, group_ids=empty_ids, temperature=temp,
             cand_offsets=offs, cand_ids=ids, cand_logprobs=clq))
+    for name, dtype in (("tokens", torch.long), ("gen_pos", torch.long), ("sampler_logprobs", torch.float32),
+                        ("versions", torch.long), ("group_ids", torch.long)):
+        sizes = [len(x) for x in flat[name]]
+        parts = torch.tensor([v for x in flat[name] for v in x], dtype=dtype).split(sizes)
+        for r, part in zip(records, parts, strict=True):
+            setattr(r, name, part)
     stats.group_names = list(names)
     if records:  # NaN and ±inf after the cast to float32, over the whole batch at once
         lq_all = torch.cat([x for r in records for x in (r.sampler_logprobs, r.cand_logprobs)])
@@ -203,21 +214,34 @@ def prepare(
     return records, stats
 
 
-def collate(records: Sequence[Record], pad_id: int = 0) -> TrainBatch:
-    """Right-pad a non-empty subset of records into one batch."""
+def collate(records: Sequence[Record], pad_id: int = 0, *, grid: bool = True) -> TrainBatch:
+    """Right-pad a non-empty subset of records into one batch.
+
+    ``grid=False``: the ``[B, L]`` token and mask tensors are left empty (``[B, 0]``), for a
+    caller that lays the tokens out itself (``mixrl.train.packing.pack``)."""
     if not records:
         raise ValueError("collate needs at least one record")
-    b, lmax = len(records), max(int(r.tokens.numel()) for r in records)
-    input_ids = torch.full((b, lmax), pad_id, dtype=torch.long)
-    attn = torch.zeros(b, lmax, dtype=torch.long)
-    offs, k0 = [torch.zeros(1, dtype=torch.long)], 0
-    for i, r in enumerate(records):
-        input_ids[i, : r.tokens.numel()] = r.tokens
-        attn[i, : r.tokens.numel()] = 1
-        offs.append(r.cand_offsets[1:] + k0)
-        k0 += int(r.cand_ids.numel())
-    n_each = [int(r.gen_pos.numel()) for r in records]
+    b = len(records)
+    n_each = torch.tensor([int(r.gen_pos.numel()) for r in records])
+    k_each = [int(r.cand_ids.numel()) for r in records]
+    if grid:
+        lmax = max(int(r.tokens.numel()) for r in records)
+        input_ids = torch.full((b, lmax), pad_id, dtype=torch.long)
+        attn = torch.zeros(b, lmax, dtype=torch.long)
+        for i, r in enumerate(records):
+            input_ids[i, : r.tokens.numel()] = r.tokens
+            attn[i, : r.tokens.numel()] = 1
+    else:
+        input_ids, attn = torch.zeros(b, 0, dtype=torch.long), torch.zeros(b, 0, dtype=torch.long)
     cat = torch.cat
+    # whole-batch ops instead of one per record: positions of each record shifted by where its
+    # tokens start in the concatenation, candidate offsets by where its candidates start
+    starts = torch.tensor([0] + [int(r.tokens.numel()) for r in records[:-1]]).cumsum(0)
+    gen = cat([r.gen_pos for r in records])
+    tokens = cat([r.tokens for r in records])
+    k0 = torch.tensor([0] + k_each[:-1]).cumsum(0)
+    offs = cat([torch.zeros(1, dtype=torch.long)] + [r.cand_offsets[1:] for r in records])
+    offs[1:] += torch.repeat_interleave(k0, n_each)
 
     def opt(name: str) -> Tensor | None:
         parts = [getattr(r, name) for r in records]
@@ -225,15 +249,15 @@ def collate(records: Sequence[Record], pad_id: int = 0) -> TrainBatch:
 
     return TrainBatch(
         input_ids=input_ids, attention_mask=attn,
-        pred_cols=cat([r.gen_pos - 1 for r in records]),
-        targets=cat([r.tokens[r.gen_pos] for r in records]),
-        seq_ids=torch.repeat_interleave(torch.arange(b), torch.tensor(n_each)),
+        pred_cols=gen - 1,
+        targets=tokens[gen + torch.repeat_interleave(starts, n_each)],
+        seq_ids=torch.repeat_interleave(torch.arange(b), n_each),
         sampler_logprobs=cat([r.sampler_logprobs for r in records]),
         advantages=cat([r.advantages for r in records]),
         versions=cat([r.versions for r in records]),
         group_ids=cat([r.group_ids for r in records]),
-        temperature=cat([torch.full((n,), r.temperature) for n, r in zip(n_each, records, strict=True)]),
-        cand_offsets=cat(offs), cand_ids=cat([r.cand_ids for r in records]),
+        temperature=torch.repeat_interleave(torch.tensor([float(r.temperature) for r in records]), n_each),
+        cand_offsets=offs, cand_ids=cat([r.cand_ids for r in records]),
         cand_logprobs=cat([r.cand_logprobs for r in records]),
         old_logprobs=opt("old_logprobs"), cand_old_logprobs=opt("cand_old_logprobs"),
         trainer_logprobs=opt("trainer_logprobs"), cand_trainer_logprobs=opt("cand_trainer_logprobs"),

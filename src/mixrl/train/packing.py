@@ -299,7 +299,7 @@ def pack(mb: MicroBatch, pad_id: int = 0) -> TrainBatch:
         pre += [False] * (C - used)
         n_seg += 1
         i += n
-    tb = collate(mb.records, pad_id)  # flat per-position tensors, in record order
+    tb = collate(mb.records, pad_id, grid=False)  # flat per-position tensors, in record order
     def grid(vals: list[int]) -> Tensor:
         return torch.tensor(vals, dtype=torch.long).view(R, C)
 
