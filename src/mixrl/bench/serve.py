@@ -78,7 +78,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-model", default="random:256x4",
                         help='second workload: "random:HIDDENxLAYERS", an HF directory, or "none"')
     parser.add_argument("--long-max-tokens", type=int, default=64, help="max_tokens of the second workload")
-    parser.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the arms (>= 1)")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds of the arms (>= 1; default 5)")
     parser.add_argument("--no-openai", action="store_true", help="skip the openai_client arm")
     parser.add_argument("--client-in-process", action="store_true",
                         help="run the endpoint arm's client code in this process")
