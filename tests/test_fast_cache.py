@@ -58,7 +58,7 @@ def test_generic_engine_logprobs_unchanged(tmp_path, monkeypatch):
 
     ours = run()
     monkeypatch.setattr(hf_cache, "GrowingLayer", DynamicLayer)  # HF's concatenating layer
-    monkeypatch.setattr(QuantizedKVCache, "__init__", lambda self, q, config=None: (
+    monkeypatch.setattr(QuantizedKVCache, "__init__", lambda self, q, config=None, capacity=0: (
         DynamicCache.__init__(self, config=config), setattr(self, "quantize", q))[0])  # fmt: skip
     ref = run()
     for a, b in zip(ours, ref, strict=True):

@@ -106,7 +106,7 @@ class GenericPath:
         col = torch.arange(P)
         am = (col[None, :] >= start[:, None]).long()  # [B, P] 1 on real tokens
         pos = (col[None, :] - start[:, None]).clamp(min=0)
-        batch = _GenericBatch(self, m, QuantizedKVCache(self.prec.kv, self.cfg), am)
+        batch = _GenericBatch(self, m, QuantizedKVCache(self.prec.kv, self.cfg, length), am)
         return batch, batch.forward(ids, pos)
 
     def logits(self, m: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

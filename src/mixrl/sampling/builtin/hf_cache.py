@@ -44,8 +44,9 @@ def _in(t: torch.Tensor, buf: torch.Tensor | None) -> bool:
 class GrowingLayer(DynamicLayer):
     """``DynamicLayer`` whose keys/values are prefix views of buffers written in place."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
         super().__init__()
+        self.capacity = capacity  # columns of the first buffer (the batch's expected length)
         self._bk: torch.Tensor | None = None
         self._bv: torch.Tensor | None = None
 
@@ -58,7 +59,10 @@ class GrowingLayer(DynamicLayer):
         bk, bv = self._bk, self._bv
         fits = n == 0 or (_in(self.keys, bk) and _in(self.values, bv) and self.keys.shape[0] == rows)
         if not fits or bk is None or bv is None or bk.shape[0] < rows or n + T > bk.shape[2]:
-            cap = max(2 * (n + T), n + T + MIN_COLUMNS)
+            if bk is None and self.capacity:  # first write: the batch's expected length
+                cap = max(n + T, self.capacity)
+            else:  # doubling: amortized O(1) copies per column
+                cap = max(2 * (n + T), n + T + MIN_COLUMNS)
             shape = (rows, key_states.shape[1], cap, key_states.shape[3])
             bk = torch.empty(shape, dtype=key_states.dtype, device=key_states.device)
             bv = torch.empty(shape, dtype=value_states.dtype, device=value_states.device)
@@ -88,13 +92,14 @@ class GrowingLayer(DynamicLayer):
 
 
 class QuantizedKVCache(DynamicCache):
-    def __init__(self, quantize: Hook | None, config: Any = None) -> None:
+    def __init__(self, quantize: Hook | None, config: Any = None, capacity: int = 0) -> None:
+        """``capacity``: columns to allocate at the first write (0: as many as written + MIN_COLUMNS)."""
         super().__init__(config=config)
         self.quantize = quantize
         # full-attention layers grow in place; other layer kinds (sliding windows) stay HF's
-        self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+        self.layers = [GrowingLayer(capacity) if type(layer) is DynamicLayer else layer for layer in self.layers]
         if self.layer_class_to_replicate is DynamicLayer:
-            self.layer_class_to_replicate = GrowingLayer
+            self.layer_class_to_replicate = lambda: GrowingLayer(capacity)
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
