@@ -68,6 +68,7 @@ class ProcessSampler(SamplerHandle):
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
         self._send_lock = threading.Lock()
+        self._outbox: list[tuple[str, int, Any]] = []  # calls of this loop iteration, sent at its end
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready: asyncio.Future[Any] | None = None
         self.proc: Any = None
@@ -104,7 +105,10 @@ class ProcessSampler(SamplerHandle):
                 msg = self.conn.recv()
             except Exception:  # noqa: BLE001 - EOF, reset, or a reply that cannot be read: the worker is lost
                 break
-            self._post(self._deliver, *msg)
+            if msg[0] == "many":  # the replies of one worker loop iteration: one wake-up here
+                self._post(self._deliver_many, msg[2])
+            else:
+                self._post(self._deliver, *msg)
         self.cpu_s()  # its last reading: the process has exited (not yet reaped) or is exiting
         self._exited = True
         self._post(self._lost)
@@ -124,6 +128,10 @@ class ProcessSampler(SamplerHandle):
         assert self._loop is not None
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
             self._loop.call_soon_threadsafe(fn, *args)
+
+    def _deliver_many(self, msgs: list[tuple[str, int, Any]]) -> None:
+        for m in msgs:
+            self._deliver(*m)
 
     def _deliver(self, kind: str, rid: int, payload: Any) -> None:
         if kind == "ready":
@@ -162,17 +170,30 @@ class ProcessSampler(SamplerHandle):
         rid = next(self._ids)
         fut = self._loop.create_future()
         self._pending[rid] = fut
-        try:
-            with self._send_lock:
-                self.conn.send((kind, rid, payload))
-        except (OSError, ValueError) as e:  # broken pipe / closed connection
-            self._pending.pop(rid, None)
-            self.dead = True
-            raise ReplicaFailure(f"replica {self.name}: cannot reach worker ({e})") from e
+        # Calls made in one loop iteration (the turns of sessions answered together) travel
+        # as one message: one write, one wake-up of the worker, one cohort there.
+        if not self._outbox:
+            self._loop.call_soon(self._flush)
+        self._outbox.append((kind, rid, payload))
         try:
             return await fut
         finally:
             self._pending.pop(rid, None)
+
+    def _flush(self) -> None:
+        msgs, self._outbox = self._outbox, []
+        if not msgs:
+            return
+        try:
+            with self._send_lock:
+                self.conn.send(msgs[0] if len(msgs) == 1 else ("many", 0, msgs))
+        except (OSError, ValueError) as e:  # broken pipe / closed connection
+            self.dead = True
+            err = ReplicaFailure(f"replica {self.name}: cannot reach worker ({e})")
+            for _, rid, _ in msgs:
+                fut = self._pending.pop(rid, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(err)
 
     # -- SamplerHandle ---------------------------------------------------------------
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -224,6 +245,7 @@ class ProcessSampler(SamplerHandle):
         if proc is None:
             return
         self.proc = None
+        self._flush()
         with contextlib.suppress(OSError, ValueError), self._send_lock:
             self.conn.send(("stop", 0, None))
         await asyncio.to_thread(proc.join, 5.0)

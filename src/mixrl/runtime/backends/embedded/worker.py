@@ -17,6 +17,11 @@ messages from one duplex pipe:
                                                            prefills, steps, cpu_s})
     ("stop", 0, None)                         ("err", id, "ExcType: message")
                                               ("ready", 0, pid) / ("fatal", 0, traceback)
+    ("many", 0, [message, ...])               ("many", 0, [message, ...])
+
+``many`` carries the messages of one loop iteration of the sender (the turns of the
+sessions answered together, the rows one decode step finished): one write and one
+wake-up instead of one per message.
 
 A reader thread receives (it blocks in the pipe without the GIL) and hands each
 message to the worker's asyncio loop; results go back from the loop. Weights
@@ -81,13 +86,31 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
                 msg = conn.recv()
             except (EOFError, OSError):  # the parent is gone
                 msg = ("stop", 0, None)
+            if msg[0] == "many":  # the calls of one parent loop iteration: handed over together
+                loop.call_soon_threadsafe(_put_many, msg[2])
+                continue
             loop.call_soon_threadsafe(inbox.put_nowait, msg)
             if msg[0] == "stop":
                 return
 
+    def _put_many(msgs: list[Any]) -> None:
+        for m in msgs:
+            inbox.put_nowait(m)
+
+    outbox: list[Any] = []
+
+    def flush() -> None:
+        msgs = outbox[:]
+        outbox.clear()
+        if msgs:
+            with send_lock, contextlib.suppress(BrokenPipeError, OSError):  # parent gone: nobody to tell
+                conn.send(msgs[0] if len(msgs) == 1 else ("many", 0, msgs))
+
     def send(msg: Any) -> None:
-        with send_lock, contextlib.suppress(BrokenPipeError, OSError):  # parent gone: nobody to tell
-            conn.send(msg)
+        # replies of one loop iteration (the rows a decode step finished) go as one message
+        if not outbox:
+            loop.call_soon(flush)
+        outbox.append(msg)
 
     stats = {"requests": 0, "prompt_tokens": 0, "gen_tokens": 0}
 
@@ -145,4 +168,5 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
     for t in tasks:
         t.cancel()
     await sampler.close()
+    flush()
     conn.close()
