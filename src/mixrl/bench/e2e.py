@@ -90,15 +90,19 @@ def run_mixrl(base: list[str], run_dir: Path, extra: list[str]) -> dict[str, Any
 
 
 def _cpu(summary: dict[str, Any], recs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Where the time goes: the trainer update's median wall and CPU seconds (wall / CPU
-    above 1: it waited for a core or the interpreter lock), and CPU seconds per step of the
-    orchestrator process (trainer + event loop), of the updates alone, of the sampler workers."""
+    """Where the time goes: the trainer update's median wall and CPU seconds (the updating
+    thread's; with one torch thread, wall / CPU above 1: it waited for a core or the
+    interpreter lock), the process's CPU over the update (intra-op workers and the event
+    loop included), and CPU seconds per step of the orchestrator process (trainer + event
+    loop), of the updates alone, of the sampler workers."""
     wall = [r["perf/train_step_s"] for r in recs if "perf/train_step_s" in r]
     cpu = [r["perf/train_step_cpu_s"] for r in recs if "perf/train_step_cpu_s" in r]
+    proc = [r["perf/train_step_process_cpu_s"] for r in recs if "perf/train_step_process_cpu_s" in r]
     n = max(int(summary["steps"]), 1)
     per = {k.removesuffix("_s"): (None if v is None else v / n) for k, v in (summary.get("cpu") or {}).items()}
     return {"train_step_s": statistics.median(wall) if wall else None,
-            "train_step_cpu_s": statistics.median(cpu) if cpu else None, "cpu_s_per_step": per}
+            "train_step_cpu_s": statistics.median(cpu) if cpu else None,
+            "train_step_process_cpu_s": statistics.median(proc) if proc else None, "cpu_s_per_step": per}
 
 
 def copy_time(model_path: str, repeats: int = 5) -> float:
