@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -66,19 +67,31 @@ def _clean(v: Any) -> Any:
 
 
 class JsonlSink:
+    """``metrics.jsonl``: each record flushed as written (a crashed run loses none), synced
+    to disk at most every ``SYNC_S`` seconds and at close (an fsync per step stalled the
+    run's event loop ~40 ms a step; a lost machine loses at most the last ``SYNC_S`` s)."""
+
+    SYNC_S = 10.0
+
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = open(self.path, "a", buffering=1)  # noqa: SIM115 - held open for the run
+        self._synced = time.monotonic()
 
     def write(self, step: int, time_s: float, metrics: Mapping[str, Any]) -> None:
         rec = {"step": step, "time": round(time_s, 4)}
         rec.update({k: _clean(v) for k, v in sorted(metrics.items())})
         self._f.write(json.dumps(rec, allow_nan=False) + "\n")
         self._f.flush()
-        os.fsync(self._f.fileno())
+        if time.monotonic() - self._synced >= self.SYNC_S:
+            os.fsync(self._f.fileno())
+            self._synced = time.monotonic()
 
     def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
         self._f.close()
 
 
