@@ -83,13 +83,13 @@ def _append_generated(traj: Trajectory, res: GenerationResult) -> None:
     n = len(res.token_ids)
     traj.tokens += res.token_ids
     traj.loss_mask += [1] * n
-    traj.sampler_logprobs += [float(x) for x in res.logprobs]
+    traj.sampler_logprobs += map(float, res.logprobs)  # extend; map: ~2x the comprehension
     traj.versions += [res.version] * n
     traj.groups += [res.group] * n
     base = traj.cand_offsets[-1]
     traj.cand_offsets += [base + o for o in res.cand_offsets[1:]]
     traj.cand_ids += res.cand_ids
-    traj.cand_logprobs += [float(x) for x in res.cand_logprobs]
+    traj.cand_logprobs += map(float, res.cand_logprobs)
     if traj.cand_kind == "none" and res.cand_kind != "none":
         traj.cand_kind = res.cand_kind
     traj.num_nonfinite += res.num_nonfinite
