@@ -103,6 +103,8 @@ def test_plans_place_every_record_once_and_save_tokens(budget):
     for mb in shared:
         if budget is not None and len(mb.records) > 1:
             assert mb.tokens <= budget
+        tb = pack(mb)  # the tokens laid out: each shared prefix once, no padding
+        assert mb.real_tokens == int(tb.attention_mask.sum()) <= mb.tokens
     assert sum(mb.tokens for mb in shared) < 0.8 * sum(mb.tokens for mb in plain)
     lens = [used_len(r) for r in records]
     for members, s in prefix.groups(records, lens):  # S: the longest prefix the whole group shares

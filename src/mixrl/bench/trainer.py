@@ -232,7 +232,6 @@ def _lengths(trajs: list[Any]) -> dict[str, int]:
 def _packing_mix(args: argparse.Namespace, variants: dict[str, Any], episodes: list[dict[str, Any]],
                  prefix: str) -> dict[str, Any]:
     """Packed vs padded tokens/s on ``--batch`` trajectories of one length mix (keys ``prefix_*``)."""
-    from mixrl.train.packing import used_len
 
     trajs, adv = batch_of(episodes, args.batch, args.seed)
     real = sum(len(t.tokens) for t in trajs)
@@ -253,7 +252,7 @@ def _packing_mix(args: argparse.Namespace, variants: dict[str, Any], episodes: l
         res[f"{prefix}_{name}_tokens_per_s"] = real / s
         res[f"{prefix}_{name}_step_s"] = s
         res[f"{prefix}_{name}_model_tokens"], res[f"{prefix}_{name}_micro_batches"] = fed, len(plan)
-        res[f"{prefix}_{name}_padding_frac"] = 1 - sum(used_len(r) for r in records) / fed if fed else 0.0
+        res[f"{prefix}_{name}_padding_frac"] = 1 - sum(mb.real_tokens for mb in plan) / fed if fed else 0.0
         if name == "packed":
             res[f"{prefix}_packed_row_lens"] = " ".join(str(mb.row_len) for mb in plan)
     res[f"{prefix}_packed_over_padded"] = res[f"{prefix}_packed_tokens_per_s"] / res[f"{prefix}_padded_tokens_per_s"]

@@ -79,6 +79,11 @@ class MicroBatch:
         n_rows = len(self.records) if self.rows is None else len(self.rows)
         return n_rows * self.row_len
 
+    @property
+    def real_tokens(self) -> int:
+        """Tokens laid out in the input (a shared prefix once); ``tokens`` minus the padding."""
+        return sum(used_len(r) for r in self.records) - sum(self.shared or ())
+
 
 def used_len(r: Record) -> int:
     """Tokens of ``r`` the forward needs: up to (excluding) its last generated position."""
