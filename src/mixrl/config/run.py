@@ -174,6 +174,7 @@ class OptimConfig(_Section):
     micro_batch_tokens: int = Field(default=16384, ge=16, le=1 << 26, description="token budget of one forward/backward (rows x row length, padding included): bounds trainer activation memory whatever the batch size")
     forward_micro_batch_tokens: int | None = Field(default=None, ge=16, le=1 << 26, description="token budget of the no-grad pass that fixes old log-probs (epochs * minibatches > 1); None = micro_batch_tokens")
     packing: bool = Field(default=True, description="pack several trajectories per row (own position ids, no attention across them) instead of padding each to the longest")
+    share_prefix: bool = Field(default=True, description="with packing: samples of one prompt share its tokens in a row (the prompt runs through the model once; 4D-mask attention only, not flash/flex or MoE routing records)")
     schedule: Literal["constant", "linear", "cosine"] = Field(default="constant", description="learning-rate schedule over runtime.steps, after warm-up")
     warmup_steps: int = Field(default=0, ge=0, le=1 << 24, description="updates of linear warm-up from 0 to lr")
     min_lr_ratio: float = Field(default=0.0, ge=0, le=1.0, description="linear/cosine: lr at the last update as a fraction of lr")

@@ -49,6 +49,7 @@ def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any, factory: Any =
         micro_batch_tokens=o.micro_batch_tokens,
         forward_micro_batch_tokens=o.forward_micro_batch_tokens,
         packing=o.packing,
+        share_prefix=o.share_prefix,
         temperature=cfg.rollout.temperature,
         max_malformed_frac=0.5,  # a step that drops more than half its batch fails the run
         gen_budget=generation_budget(cfg),
