@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from test_packing import V, tiny  # the same tiny float64 Qwen3
 
 from mixrl.config.presets import get_preset
 from mixrl.models.chunked import chunked_logprobs
@@ -15,16 +15,6 @@ from mixrl.train.packing import micro_batches, model_inputs, pack, used_len
 from mixrl.train.trainer import Trainer, needed_cand_kind
 
 torch.set_num_threads(1)
-V = 40
-
-
-def tiny(seed: int = 0, attn: str = "sdpa") -> Qwen3ForCausalLM:
-    torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                      max_position_embeddings=128, tie_word_embeddings=True)
-    cfg._attn_implementation = attn
-    return Qwen3ForCausalLM(cfg).double()
 
 
 def grouped(prompts: int, G: int, kind: str, seed: int = 0, multi_turn: bool = False):
