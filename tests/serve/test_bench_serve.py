@@ -18,11 +18,13 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def test_arms_interleave_and_the_ratio_is_of_the_medians(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("workers", ["process", "thread"])
+def test_arms_interleave_and_the_ratio_is_of_the_medians(capsys: pytest.CaptureFixture[str], workers: str) -> None:
     code, out = _run(capsys, "--sessions", "3", "--turns", "2", "--max-tokens", "4", "--long-model", "none",
-                     "--repeats", "2", "--json")
+                     "--repeats", "2", "--workers", workers, "--json")
     assert code == 0
     res = json.loads(out)
+    assert res["workers"] == workers
     runs = res["runs"]
     assert {k: len(v) for k, v in runs.items()} == {"direct": 2, "endpoint": 2, "openai_client": 2}
     # seeded requests: every arm and round generated the same tokens, through one server session each
@@ -41,6 +43,11 @@ def test_arms_interleave_and_the_ratio_is_of_the_medians(capsys: pytest.CaptureF
     # the server's CPU over the timed load only: 6 requests per round, each engine step counted
     assert all(0 < r["serve_cpu_s"] < r["process_cpu_s"] for r in runs["endpoint"])
     assert all(r["engine_steps"] > 0 and r["engine_batches"] > 0 for rs in runs.values() for r in rs)
+    if workers == "process":  # the engine's CPU is the worker's, apart from this process's
+        assert all(r["engine_cpu_s"] > 0 for rs in runs.values() for r in rs)
+        assert res["engine_cpu_over_direct"] == round(res["endpoint"]["engine_cpu_s"] / res["direct"]["engine_cpu_s"], 3)
+    else:
+        assert res["engine_cpu_over_direct"] is None and "engine_cpu_s" not in runs["direct"][0]
     assert len(res["load_avg_1m"]) == 2
 
 

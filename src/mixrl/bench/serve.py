@@ -2,7 +2,10 @@
 
 Every arm runs the same load in one invocation, on the same sampler replica
 (built-in engine, FP32 profile by default, one ``BatchingSampler`` with the
-same batching window):
+same batching window). The replica is a sampler worker process, as in a run's
+default embedded backend and in ``mixrl serve``; ``--workers thread`` puts it
+in this process instead, where the engine and the HTTP server share one
+interpreter and the server's Python work runs between the engine's steps:
 
 - ``direct``: ``--sessions`` concurrent conversations of ``--turns`` turns,
   each turn a ``GenerationRequest`` of the recorded ids (what a mixrl episode
@@ -35,11 +38,13 @@ not move). Requests carry the same seeds in every arm, so they sample the same
 tokens (``same_tokens``). Also reported: requests/s, p50/p99 latency, the CPU
 time of this process per arm (``serve_cpu_s``: over the timed load only, not the
 server's start or the clients' connections and warm-up),
-the engine's prefills and decode steps, the client's CPU per request, and
-``server_cpu_ms_per_request`` (the endpoint's median CPU here beyond the direct
-arm's, per request: HTTP, templating, recording, JSON, and any extra engine
-work from requests arriving spread out), and the 1-minute load average before
-and after each workload. Two workloads, each stating its model and reply length:
+the engine's prefills and decode steps and (worker process) its CPU
+(``engine_cpu_s``; ``engine_cpu_over_direct``: the endpoint arm's over the direct
+arm's, the extra engine work from requests arriving spread out), the client's
+CPU per request, and ``server_cpu_ms_per_request`` (the endpoint's median CPU
+here beyond the direct arm's, per request: HTTP, templating, recording, JSON;
+with ``--workers thread`` also any extra engine work), and the 1-minute load
+average before and after each workload. Two workloads, each stating its model and reply length:
 
 - the headline: ``--model`` (the shipped bundled policy: replies of a few
   tokens, so per-request HTTP cost weighs most);
@@ -78,7 +83,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-model", default="random:256x4",
                         help='second workload: "random:HIDDENxLAYERS", an HF directory, or "none"')
     parser.add_argument("--long-max-tokens", type=int, default=64, help="max_tokens of the second workload")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds of the arms (>= 1; default 5)")
+    parser.add_argument("--workers", default="process", choices=("process", "thread"),
+                        help="the replica as a sampler worker process (default, as in a run and mixrl serve) "
+                             "or in this process")
+    parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds of the arms (>= 1; default 7)")
     parser.add_argument("--no-openai", action="store_true", help="skip the openai_client arm")
     parser.add_argument("--client-in-process", action="store_true",
                         help="run the endpoint arm's client code in this process")
@@ -150,7 +158,8 @@ async def _load(send: Any, args: argparse.Namespace, client: str) -> dict[str, A
     out: dict[str, Any] = _summary(time.perf_counter() - t0, lat, tokens)
     out["client_cpu_ms_per_request"] = round((time.process_time() - cpu) / len(lat) * 1e3, 2)
     out["client"] = client
-    args.report(out)
+    if asyncio.iscoroutine(done := args.report(out)):
+        await done
     return out
 
 
@@ -255,17 +264,14 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace, kind: str
     while not server.started:
         await asyncio.sleep(0.01)
     url = f"http://127.0.0.1:{port}/v1"
-    marks: list[tuple[float, int, int]] = []  # (CPU, batches, steps) when the timed load began and ended
+    marks: list[tuple[float, ...]] = []  # (CPU, batches, steps, engine CPU) when the timed load began and ended
 
-    def mark() -> None:
-        marks.append((time.process_time(), sampler.batches, sampler.steps))
+    async def mark() -> None:
+        marks.append((time.process_time(), *await _counts(sampler)))
 
     try:
         if args.client_in_process:
-            async def ready() -> None:
-                mark()
-
-            out = await _CLIENTS[kind](url, argparse.Namespace(**{**vars(args), "ready": ready,
+            out = await _CLIENTS[kind](url, argparse.Namespace(**{**vars(args), "ready": mark,
                                                                   "report": lambda _: mark()}))
         else:
             proc = await asyncio.create_subprocess_exec(
@@ -275,25 +281,36 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace, kind: str
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
             assert proc.stdin is not None and proc.stdout is not None
             if (await proc.stdout.readline()).strip() == b"ready":  # connected and warmed up
-                mark()
+                await mark()
                 proc.stdin.write(b"go\n")
                 await proc.stdin.drain()
                 line = await proc.stdout.readline()
-                mark()
+                await mark()
             if await proc.wait() or len(marks) != 2:
                 raise RuntimeError(f"the client process exited with {proc.returncode}")
             out = json.loads(line)
         # this process over the timed load (engine and HTTP server; not the server's start, the
         # clients' connections and warm-up, or their close)
-        (cpu0, b0, s0), (cpu1, b1, s1) = marks
+        (cpu0, b0, s0, e0), (cpu1, b1, s1, e1) = marks
         out["serve_cpu_s"] = round(cpu1 - cpu0, 3)
-        out["engine_batches"], out["engine_steps"] = b1 - b0, s1 - s0
+        out["engine_batches"], out["engine_steps"] = int(b1 - b0), int(s1 - s0)
+        if e0 == e0:  # a worker process: its CPU apart (NaN: the engine runs in this process)
+            out["engine_cpu_s"] = round(e1 - e0, 3)
         out["history_rewrites"] = core.sessions.history_rewrites
         out["client"] += ", in-process" if args.client_in_process else ", separate process"
         return out
     finally:
         server.should_exit = True
         await task
+
+
+async def _counts(sampler: Any) -> tuple[float, float, float]:
+    """(prefills, decode steps, the engine's CPU seconds) so far: a worker process asked over
+    its pipe, an in-process ``BatchingSampler`` read directly (CPU NaN: it is this process's)."""
+    if hasattr(sampler, "stats"):
+        st = await sampler.stats()
+        return float(st["prefills"]), float(st["steps"]), float(st["cpu_s"])
+    return float(sampler.batches), float(sampler.steps), float("nan")
 
 
 def _shape(spec: str) -> tuple[int, int]:
@@ -338,10 +355,18 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
     with tempfile.TemporaryDirectory() as tmp:
         path = _random_model(model, tmp) if model.startswith("random:") else str(resolve_model(model))
         chat = ChatFormat(AutoTokenizer.from_pretrained(path))
-        engine = make_engine(path, args.profile, args.profile, seed=0, max_batch=args.sessions,
-                             num_threads=args.threads or None)
         n_params = sum(int(v.numel()) for v in _weights(path).values())
-    sampler = BatchingSampler(engine, max_batch=args.sessions, max_wait_ms=args.max_wait_ms, idle_ms=args.idle_ms)
+        batching = {"max_batch": args.sessions, "max_wait_ms": args.max_wait_ms, "idle_ms": args.idle_ms}
+        sampler: Any
+        if args.workers == "process":  # as in a run and ``mixrl serve``: the engine in a worker process
+            from mixrl.runtime.backends.embedded.process import ProcessSampler
+
+            sampler = ProcessSampler("bench/0", args.profile)
+            await sampler.start(path, args.profile, 0, args.threads or (os.cpu_count() or 1), batching=batching)
+        else:
+            engine = make_engine(path, args.profile, args.profile, seed=0, max_batch=args.sessions,
+                                 num_threads=args.threads or None)
+            sampler = BatchingSampler(engine, **batching)
     await _direct(chat, sampler, argparse.Namespace(**{**vars(args), "sessions": 4, "turns": 1}))  # warm-up
     arms: list[tuple[str, Any]] = [("direct", _direct), ("endpoint", _endpoint)]
     if not args.no_openai:
@@ -351,11 +376,14 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
     for _ in range(args.repeats):  # interleaved: a change of load hits every arm alike
         for name, arm in arms:
             # batches (prefills) and decode steps: how well concurrent requests were gathered
-            before, steps, cpu = sampler.batches, sampler.steps, time.process_time()
+            (before, steps, eng), cpu = await _counts(sampler), time.process_time()
             out = await arm(chat, sampler, args)
-            out.setdefault("engine_batches", sampler.batches - before)
-            out.setdefault("engine_steps", sampler.steps - steps)
-            out["process_cpu_s"] = round(time.process_time() - cpu, 3)  # this process: engine, server, asyncio
+            out["process_cpu_s"] = round(time.process_time() - cpu, 3)  # this process: server, asyncio (+ engine)
+            after = await _counts(sampler)
+            out.setdefault("engine_batches", int(after[0] - before))
+            out.setdefault("engine_steps", int(after[1] - steps))
+            if eng == eng:
+                out.setdefault("engine_cpu_s", round(after[2] - eng, 3))
             runs[name].append(out)
     load.append(round(os.getloadavg()[0], 2))
     await sampler.close()
@@ -374,13 +402,16 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
         # whose speed drifts during the run moves the medians of the arms apart, not these
         "pair_ratios": pairs, "pair_ratio_median": statistics.median(pairs),
         "server_cpu_ms_per_request": server_ms(endpoint),
+        # the worker's CPU with requests over HTTP over its CPU on the direct arm's load
+        "engine_cpu_over_direct": (round(endpoint["engine_cpu_s"] / direct["engine_cpu_s"], 3)
+                                   if "engine_cpu_s" in direct else None),
         "requests_over_direct": round(endpoint["requests_per_s"] / direct["requests_per_s"], 3),
         "client": runs["endpoint"][0]["client"], "client_cpu_ms_per_request": endpoint["client_cpu_ms_per_request"],
         "repeats": args.repeats, "load_avg_1m": load,
         "model": model, "model_params": n_params, "max_tokens": max_tokens,
         "mean_reply_tokens": endpoint["mean_reply_tokens"],
         "same_tokens": len({r["generated_tokens"] for rs in runs.values() for r in rs}) == 1,
-        "sessions": args.sessions, "turns": args.turns, "profile": args.profile,
+        "sessions": args.sessions, "turns": args.turns, "profile": args.profile, "workers": args.workers,
         "max_wait_ms": args.max_wait_ms, "idle_ms": args.idle_ms}
     if "openai_client" in med:
         o = med["openai_client"]

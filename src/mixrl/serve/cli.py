@@ -6,6 +6,11 @@ each, sessions pinned to a group by the fleet's router (capacity-weighted),
 exactly as in a training run. MODEL is ``bundled``, a local HF directory or a
 hub id in the local HF cache.
 
+Each replica is a sampler worker process, as in a run's default embedded
+backend, so the server's event loop (HTTP, templating, session recording,
+JSON) and the engines never share an interpreter; ``--workers thread`` keeps
+them in the server's process.
+
 It listens on ``127.0.0.1`` by default. Listening on any other address needs
 an API key (``--api-key`` or ``$MIXRL_API_KEY``); without one it refuses to
 start. Clients send ``Authorization: Bearer KEY`` (the ``openai`` client's
@@ -34,6 +39,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template file (else the tokenizer's)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
+    parser.add_argument("--workers", default="process", choices=("process", "thread"),
+                        help="replicas as worker processes (default, as in a run) or inside the server's process")
+
+
+# A burst of HTTP requests reaches a sampler one parse at a time: gather it (idle_ms).
+BATCHING = {"max_batch": 64, "max_wait_ms": 500, "idle_ms": 5}
 
 
 def _loopback(host: str) -> bool:
@@ -46,7 +57,7 @@ def _loopback(host: str) -> bool:
 
 
 class _Replica:
-    """A fleet handle over a ``BatchingSampler`` in this process."""
+    """A fleet handle over a ``BatchingSampler`` in this process (``--workers thread``)."""
 
     def __init__(self, name: str, group: str, sampler: Any) -> None:
         self.name, self.group, self.sampler = name, group, sampler
@@ -72,12 +83,18 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
     from mixrl.serve.app import make_app, server_options
     from mixrl.serve.core import ServeCore
 
-    async def make_replica(group: str, name: str) -> _Replica:
+    async def make_replica(group: str, name: str) -> Any:
         prof = next(p for p in profiles if p.name == group)
-        engine = await asyncio.to_thread(make_engine, str(path), prof, group, seed=abs(hash(name)) % (1 << 31),
-                                         max_batch=64, num_threads=args.threads)
-        # a burst of HTTP requests reaches the sampler one parse at a time: gather it (idle_ms)
-        return _Replica(name, group, BatchingSampler(engine, max_batch=64, max_wait_ms=500, idle_ms=5))
+        seed = abs(hash(name)) % (1 << 31)
+        if args.workers == "process":  # the engine in its own interpreter: HTTP never waits on its GIL
+            from mixrl.runtime.backends.embedded.process import ProcessSampler
+
+            h = ProcessSampler(name, group)
+            await h.start(str(path), prof, seed, args.threads, batching=BATCHING)
+            return h
+        engine = await asyncio.to_thread(make_engine, str(path), prof, group, seed=seed, max_batch=64,
+                                         num_threads=args.threads)
+        return _Replica(name, group, BatchingSampler(engine, **BATCHING))
 
     groups = [GroupSpec(p.name, p.relative_throughput, args.replicas, args.replicas, args.replicas) for p in profiles]
     fleet = Fleet(groups, make_replica, WeightStore())

@@ -81,14 +81,18 @@ class ProcessSampler(SamplerHandle):
         self._exited = False
 
     # -- life cycle ------------------------------------------------------------------
-    async def start(self, model_path: str, profile: Any, seed: int, threads: int, timeout: float = START_TIMEOUT_S) -> None:
+    async def start(self, model_path: str, profile: Any, seed: int, threads: int, timeout: float = START_TIMEOUT_S,
+                    batching: dict[str, Any] | None = None) -> None:
+        """Start the worker and wait until its engine is built. ``batching``: the worker's
+        ``BatchingSampler`` keyword arguments (``max_batch``, ``max_wait_ms``, ``idle_ms``)."""
         from mixrl.runtime.backends.embedded import worker
 
         ctx = mp_context()
         self._loop = asyncio.get_running_loop()
         self._ready = self._loop.create_future()
         self.conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=worker.main, args=(child, model_path, profile, self.group, seed, threads, self.quant_profile),
+        self.proc = ctx.Process(target=worker.main,
+                                args=(child, model_path, profile, self.group, seed, threads, self.quant_profile, batching),
                                 name=f"mixrl-sampler-{self.name}", daemon=True)
         await asyncio.to_thread(self.proc.start)
         child.close()
@@ -239,6 +243,10 @@ class ProcessSampler(SamplerHandle):
 
     def corrupt(self, n: int) -> None:
         self._corrupt += n
+
+    async def stats(self) -> dict[str, Any]:
+        """The worker's counters: requests, prompt_tokens, gen_tokens, prefills, steps, cpu_s."""
+        return dict(await self._call("stats", None))
 
     async def close(self) -> None:
         proc, self.dead = self.proc, True

@@ -6,7 +6,8 @@ its arguments). It lowers its own scheduling priority (``SAMPLER_NICE`` above th
 on an oversubscribed machine the orchestrator's event loop and trainer, the
 critical path, are not preempted by samplers), sets its torch threads, builds the engine through
 ``sampling.factory.make_engine``, wraps it in a ``BatchingSampler`` (so batching
-and the weights-between-batches rule are the same as in-process) and serves
+and the weights-between-batches rule are the same as in-process; ``batching``
+holds its keyword arguments, the defaults where absent) and serves
 messages from one duplex pipe:
 
     parent -> worker                          worker -> parent
@@ -48,7 +49,8 @@ from typing import Any
 SAMPLER_NICE = 5  # niceness above the parent's (a weight about 3x lower for the kernel's scheduler)
 
 
-def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, threads: int, quant_profile: Any = None) -> None:
+def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, threads: int, quant_profile: Any = None,
+         batching: dict[str, Any] | None = None) -> None:
     # Ctrl-C reaches the whole process group: the orchestrator handles it (checkpoint, then
     # it stops its workers); a worker dying first would turn the stop into replica failures.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -64,7 +66,9 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
         from mixrl.sampling.batching import BatchingSampler
         from mixrl.sampling.factory import make_engine
 
-        sampler = BatchingSampler(make_engine(model_path, profile, group, seed=seed))
+        batching = batching or {}
+        rows = {"max_batch": batching["max_batch"]} if "max_batch" in batching else {}
+        sampler = BatchingSampler(make_engine(model_path, profile, group, seed=seed, **rows), **batching)
     except BaseException:  # noqa: BLE001 - reported to the parent, which counts a failed start
         conn.send(("fatal", 0, traceback.format_exc()))
         conn.close()
