@@ -62,3 +62,37 @@ def test_peak_memory_child_reports_the_generation_only(model_dir):
     # MB) are not counted, so a tiny model's generation needs only a few MB
     peak = sampler.peak_mb("builtin", model_dir, sampler._prompts(64, 64, 8, seed=0), 50, 1)
     assert peak is not None and 0 <= peak < 100
+
+
+def test_floor_fields_are_the_best_floor_run_and_consistent(model_dir, capsys):
+    rc = sampler.main(_args("--json", "--model", model_dir, "--batch", "4", "--prompt-len", "4",
+                            "--new-tokens", "6", "--repeats", "2", "--threads", "1", "--no-vllm",
+                            "--no-memory"))  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["builtin_path"] == "qwen3-fast" and "floor_note" not in out
+    gemm, attn = out["floor_gemm_s"], out["floor_attention_s"]
+    assert gemm > 0 and attn > 0 and out["floor_gemm_gflop_s"] > 0 and out["floor_attention_gb_s"] > 0
+    assert out["floor_tok_s"] == pytest.approx(4 * 6 / (gemm + attn), rel=1e-2)  # tokens / floor time
+    assert out["floor_over_hf"] == pytest.approx(out["floor_tok_s"] / out["hf_tok_s"], rel=1e-2)
+    assert out["builtin_over_floor"] == pytest.approx(out["builtin_tok_s"] / out["floor_tok_s"], rel=1e-2)
+
+
+def test_floor_counts_the_engine_work(model_dir):
+    # 1 layer, hidden 32, 2 query heads + 1 kv head of 16, intermediate 64, vocab 64; 5 rows in
+    # chunks of max_batch 4 and 1; prompt 3, 4 new tokens: steps attend over 4, 5, 6 columns
+    engine = sampler._builtin(model_dir, 1)
+    engine.max_batch = 4
+    floor = sampler.Floor(engine, 5, 3, 4, seed=0)
+    assert floor.rows == [4, 1]
+    per_row = 32 * (4 * 16 + 2 * 16 + 3 * 64)  # qkv (64 out), o (32 in), gate+up, down
+    assert floor.flops == sum(2 * b * (per_row * (3 + 3) + 4 * 32 * 64) for b in (4, 1))
+    assert floor.kv_bytes == sum(2 * b * 16 * end * 4 for b in (4, 1) for end in (4, 5, 6))
+    assert floor() == 5 * 4 and len(floor.runs) == 1 and all(t > 0 for t in floor.runs[0])
+    k, _ = floor.inputs[4]["kv"][0]
+    assert k.shape == (4, 1, 3 + 4, 16)  # the engine's cache: prompt + new columns
+
+
+def test_no_floor_on_the_generic_path():
+    fields = sampler.floor_fields(None, {"hf": 1.0, "builtin": 1.0})
+    assert fields["floor_tok_s"] is None and fields["floor_over_hf"] is None and "generic" in fields["floor_note"]

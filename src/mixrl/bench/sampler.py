@@ -33,17 +33,40 @@ SDPA 1670, static cache + SDPA 732 (it attends over every preallocated column fr
 the first step), dynamic cache + eager attention 1161 (best of 2, load ~13 on 2
 cores). ``hf_setup`` in the JSON names the setting.
 
-Where a decode step's time goes (fast path, reference model, batch 64, one thread,
-one step at cache column 81, CPU ms, load ~0.4 on 2 vCPUs): 14.4-15.9 in all, of which
-the 17 GEMMs (qkv, o, gate+up, down per layer, on weights streamed from L3/DRAM)
-8.2-9.1 and attention over the cache 3.5-4.4 (reading 21 MB of fp32 keys/values, at
-about the 9 GB/s one core streams here); norms, RoPE, the cache write, SiLU and the
-rest ~2-3; lm_head and sampling ~0.4. The same GEMMs isolated with hot weights take
-6.3 ms (65-78 GFLOP/s, MKL, oneDNN prepacked and ``F.linear`` within noise of each
-other). HF's step does the same GEMMs and attention plus a ``torch.cat`` of the whole
-cache per layer and step (a fresh 5-10 MB allocation, page-faulted each time) and its
-Python module overhead; so the ratio is bounded by HF's step over GEMMs + cache reads,
-~2 at best, and it shrinks under load (both of those are memory-bound).
+Floor (``floor_*``; fast path only, else null with ``floor_note``): the work a decode
+cannot skip, timed alone in the same invocation, interleaved with the other arms (best of
+``--repeats``), on the same model, weights, batch and cache lengths: the prefill's GEMMs
+once (``batch x prompt_len`` rows); then for each of the ``new_tokens - 1`` decode steps
+and each layer the fused qkv GEMM, attention over the cache prefix that step reads
+(q @ K^T, fp32 softmax, p @ V, on a preallocated ``[B, Hkv, prompt + new, D]`` buffer per
+layer as the engine's cache), the o, fused gate+up and down GEMMs; ``lm_head`` once per
+generated token. Kernels: the engine's own, on its loaded weights (``PackedLinear``: MKL
+sgemm on the transposed weight, residual adds in the accumulator; attention:
+``qwen3_forward._decode_attention``); ``F.linear`` + SDPA on the same work measured 4% (GEMMs)
+and 3% (attention) slower side by side, so these are the cheaper of the two. Not in it:
+norms, RoPE, SiLU and the SwiGLU product, the cache write, the prefill's attention,
+sampling, Python bookkeeping. ``floor_tok_s`` = generated tokens / (``floor_gemm_s`` +
+``floor_attention_s``); ``floor_over_hf`` = floor_tok_s / hf_tok_s, the highest
+``builtin_over_hf`` an engine doing nothing but that work with these kernels reaches on
+this machine; ``builtin_over_floor`` = builtin_tok_s / floor_tok_s, how far the engine is
+from it. ``floor_gemm_gflop_s`` (GEMM flops / floor_gemm_s) and ``floor_attention_gb_s``
+(K and V bytes read / floor_attention_s) are the rates the two parts reach.
+
+The floor is not a hardware bound: a faster kernel lowers it. Reference bench, default
+options, two runs (2026-12-02 08:10 and 08:11 UTC, 2 vCPUs shared, load 2.1-3.1):
+builtin 4922 / 4971 tok/s, HF 4388 / 4016 (``builtin_over_hf`` 1.12 / 1.24), floor 6174 /
+5583 (``floor_over_hf`` 1.41 / 1.39, ``builtin_over_floor`` 0.80 / 0.89); GEMMs 0.85 / 0.94 s
+at 70 / 63 GFLOP/s, attention 0.48 / 0.53 s at 5.5 / 5.0 GB/s. The GEMMs run at 81-90% of
+what MKL reaches on one core for a large hot GEMM (78 GFLOP/s at 1024^3, measured once);
+the attention reads the cache at ~5 GB/s where one core streams 26-33 GB/s (``sum`` over
+38-256 MB, once): its batched small matmuls (B x Hkv of [G, D] x [D, S]) are bound by
+per-matrix overhead, not by memory, so a fused decode-attention kernel is the part of the
+floor with headroom. Even the GEMMs alone (0.85 s) allow at most 2.2x HF's 1.87 s, leaving
+0.09 s for attention and everything else: ``builtin_over_hf >= 2`` is out of reach of these
+kernels here (``floor_over_hf`` < 2); an engine would need GEMMs faster than MKL's at these
+shapes as well as a near-free attention. HF pays the same GEMMs (``F.linear``) and
+attention (SDPA) plus a ``torch.cat`` of its cache per layer and step and its module
+overhead.
 
 Peak memory: each side runs once more in a fresh child process, which loads
 the model, resets the kernel's resident-set high-water mark
@@ -167,6 +190,94 @@ def _hf_run(model: Any, prompts: list[list[int]], new: int) -> int:
     return int((out.shape[1] - ids.shape[1]) * ids.shape[0])
 
 
+class Floor:
+    """The unavoidable work of the fast path's generation, timed alone (see the module doc).
+
+    The engine's own weights and GEMM kernels (its ``PackedLinear`` layers) and its decode
+    attention (``qwen3_forward._decode_attention``), on random preallocated inputs, in the
+    engine's order: the prefill's GEMMs once over ``rows * prompt_len`` rows, then per decode
+    step and layer the qkv GEMM, attention over the cache prefix the engine reads at that
+    step, the o, gate+up and down GEMMs (residual adds in the accumulator, as the engine);
+    ``lm_head`` once per generated token. Rows go in the engine's chunks of ``max_batch``.
+    A call returns the tokens it stands for and appends its timed sections
+    ``(gemm_s, attention_s)`` to ``runs``.
+    """
+
+    def __init__(self, engine: Any, batch: int, prompt_len: int, new: int, seed: int) -> None:
+        import torch
+
+        self.w, s = engine._weights, engine.path.shape
+        self.P, self.N = prompt_len, new
+        self.rows = [min(engine.max_batch, batch - i) for i in range(0, batch, engine.max_batch)]
+        g = torch.Generator().manual_seed(seed)
+
+        def rnd(*size: int) -> Any:
+            return torch.randn(*size, generator=g, dtype=engine.prec.dtype)
+
+        cols = prompt_len + new  # the engine's cache for a batch: room for prompt + new tokens
+        self.inputs: dict[int, dict[str, Any]] = {}
+        for b in set(self.rows):
+            self.inputs[b] = dict(
+                x=rnd(b, s.hidden), a=rnd(b, s.heads * s.head_dim), m=rnd(b, s.intermediate),
+                q=rnd(b, 1, s.heads, s.head_dim) * s.head_dim**-0.5,  # [B, 1, Hq, D], scaled as the engine's q
+                xp=rnd(b * prompt_len, s.hidden), ap=rnd(b * prompt_len, s.heads * s.head_dim),
+                mp=rnd(b * prompt_len, s.intermediate),
+                kv=[(rnd(b, s.kv_heads, cols, s.head_dim), rnd(b, s.kv_heads, cols, s.head_dim))
+                    for _ in range(s.layers)],  # [B, Hkv, cols, D] per layer, as the engine's cache
+            )  # fmt: skip
+        self.runs: list[tuple[float, float]] = []
+        # the work done, for the achieved rates: GEMM flops, and cache bytes the attention reads
+        # per row through all layers, in x out of qkv, o, gate+up and down
+        per_row = s.layers * s.hidden * ((2 * s.heads + 2 * s.kv_heads) * s.head_dim + 3 * s.intermediate)
+        steps = range(prompt_len + 1, prompt_len + new)
+        self.flops = sum(2 * b * (per_row * (prompt_len + len(steps)) + new * s.hidden * s.vocab) for b in self.rows)
+        item = torch.empty((), dtype=engine.prec.dtype).element_size()
+        self.kv_bytes = sum(2 * s.layers * b * s.kv_heads * end * s.head_dim * item for b in self.rows for end in steps)
+
+    @staticmethod
+    def _after_attention(L: Any, x: Any, a: Any, m: Any) -> None:
+        L.o.plus(a, x)
+        if L.mlp.gate_up is not None:  # MKL: one GEMM over the stacked gate and up weights
+            L.mlp.gate_up(x)
+        else:  # oneDNN: two GEMMs (their fused epilogues are not counted)
+            L.mlp.gate(x), L.mlp.up(x)
+        L.down.plus(m, x)
+
+    def __call__(self) -> int:
+        import torch
+
+        from mixrl.sampling.builtin.qwen3_forward import _decode_attention
+
+        clock, layers = time.perf_counter, self.w.layers
+        gemm = attn = 0.0
+        with torch.inference_mode():
+            for b in self.rows:
+                t = self.inputs[b]
+                x, a, m, q, kv = t["x"], t["a"], t["m"], t["q"], t["kv"]
+                t0 = clock()
+                for L in layers:  # prefill: every prompt column at once
+                    L.qkv(t["xp"])
+                    self._after_attention(L, t["xp"], t["ap"], t["mp"])
+                self.w.lm_head(x)  # the first token's logits
+                gemm += clock() - t0
+                for end in range(self.P + 1, self.P + self.N):  # the steps after the first token
+                    for L, (k, v) in zip(layers, kv, strict=True):  # attend over columns [0, end)
+                        t0 = clock()
+                        L.qkv(x)
+                        t1 = clock()
+                        _decode_attention(q, k[:, :, :end], v[:, :, :end], None)
+                        t2 = clock()
+                        self._after_attention(L, x, a, m)
+                        t3 = clock()
+                        gemm += (t1 - t0) + (t3 - t2)
+                        attn += t2 - t1
+                    t0 = clock()
+                    self.w.lm_head(x)
+                    gemm += clock() - t0
+        self.runs.append((gemm, attn))
+        return sum(self.rows) * self.N
+
+
 def _rss_kb(field: str) -> int:
     m = re.search(rf"{field}:\s+(\d+) kB", Path("/proc/self/status").read_text())
     return int(m.group(1)) if m else 0
@@ -220,10 +331,12 @@ def vllm_fields(path: str, prompts: list[list[int]], new: int) -> dict[str, Any]
 
 
 def throughput(
-    engine: Any, hf: Any, prompts: list[list[int]], new: int, repeats: int, generic: Any = None
+    engine: Any, hf: Any, prompts: list[list[int]], new: int, repeats: int, generic: Any = None,
+    floor: Floor | None = None,
 ) -> tuple[dict[str, float], dict[str, float]]:
     """Best generated tokens per wall second and per CPU second (this process, all
-    threads) of each side over ``repeats`` interleaved runs, after one warm-up."""
+    threads) of each side over ``repeats`` interleaved runs, after one warm-up
+    (``floor``, when given, runs among them and keeps its own timed sections)."""
     runs: dict[str, Any] = {
         "builtin": lambda: _builtin_run(engine, prompts, new, "none"),
         "support": lambda: _builtin_run(engine, prompts, new, "support"),
@@ -231,9 +344,13 @@ def throughput(
     }
     if generic is not None:
         runs["generic"] = lambda: _builtin_run(generic, prompts, new, "none")
+    if floor is not None:
+        runs["floor"] = floor
     for name in runs:
         if name != "support":
             runs[name]()  # warm-up: allocator, lazy initialisation
+    if floor is not None:
+        floor.runs.clear()
     best, best_cpu = dict.fromkeys(runs, 0.0), dict.fromkeys(runs, 0.0)
     for _ in range(repeats):
         for name, fn in runs.items():
@@ -242,6 +359,25 @@ def throughput(
             best[name] = max(best[name], n / (time.perf_counter() - t))
             best_cpu[name] = max(best_cpu[name], n / max(time.process_time() - c, 1e-9))
     return best, best_cpu
+
+
+def floor_fields(floor: Floor | None, best: dict[str, float]) -> dict[str, Any]:
+    """The floor's figures from its best run (least gemm_s + attention_s)."""
+    if floor is None or not floor.runs:
+        return dict(floor_tok_s=None, floor_over_hf=None, builtin_over_floor=None, floor_gemm_s=None,
+                    floor_attention_s=None, floor_gemm_gflop_s=None, floor_attention_gb_s=None,
+                    floor_note="no floor: the model runs on the generic path")  # fmt: skip
+    gemm, attn = min(floor.runs, key=sum)
+    tok_s = sum(floor.rows) * floor.N / (gemm + attn)
+    return {
+        "floor_tok_s": round(tok_s, 1),
+        "floor_over_hf": round(tok_s / best["hf"], 3),
+        "builtin_over_floor": round(best["builtin"] / tok_s, 3),
+        "floor_gemm_s": round(gemm, 6),
+        "floor_attention_s": round(attn, 6),
+        "floor_gemm_gflop_s": round(floor.flops / gemm / 1e9, 1),
+        "floor_attention_gb_s": round(floor.kv_bytes / attn / 1e9, 2) if attn > 0 else None,  # 1 new token: none
+    }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -256,7 +392,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         generic = _builtin(path, args.threads, "generic") if engine.path_name != "generic" else None
         prompts = _prompts(engine.vocab, args.batch, args.prompt_len, args.seed)
         new = args.new_tokens
-        best, cpu = throughput(engine, hf, prompts, new, args.repeats, generic)
+        # the floor: the fast path's GEMMs and attention alone (see the module doc)
+        fast = engine.path_name == "qwen3-fast"
+        floor = Floor(engine, args.batch, args.prompt_len, new, args.seed) if fast else None
+        best, cpu = throughput(engine, hf, prompts, new, args.repeats, generic, floor)
         if generic is None:  # the model only runs on the generic path: it is the builtin side
             best["generic"], cpu["generic"] = best["builtin"], cpu["builtin"]
         out: dict[str, Any] = {
@@ -277,7 +416,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "hf_cpu_tok_s": round(cpu["hf"], 1),
             "builtin_over_hf_cpu": round(cpu["builtin"] / cpu["hf"], 3),
         }  # fmt: skip
-        del engine, hf, generic
+        out.update(floor_fields(floor, best))
+        del engine, hf, generic, floor
         if not args.no_memory:
             out["builtin_peak_mb"] = peak_mb("builtin", path, prompts, new, args.threads)
             out["hf_peak_mb"] = peak_mb("hf", path, prompts, new, args.threads)
