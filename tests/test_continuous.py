@@ -231,3 +231,44 @@ def test_sampler_engine_failure_mid_batch_fails_every_call(dense):
 
     res = asyncio.run(go())
     assert all(isinstance(r, ReplicaFailure) for r in res) and isinstance(res[0].__cause__, TypeError)
+
+
+def test_threadsafe_join_reaches_the_sink_from_the_engine_thread(dense):
+    import threading
+
+    from transformers import AutoModelForCausalLM
+
+    e = _slow(BuiltinEngine(dense, get_profile("fp32"), "g", stop_on_eos=False))
+    sd = {k: v * 1.3 for k, v in AutoModelForCausalLM.from_pretrained(dense).state_dict().items()}
+    long, joined, late = _req(3, 40, 1), _req(5, 4, 2), _req(5, 4, 3)
+    got: dict = {}
+    where: set = set()
+
+    def sink(items):
+        where.add(threading.current_thread().name)
+        got.update(items)
+
+    async def go():
+        s = BatchingSampler(e, max_batch=8, max_wait_ms=1)
+        idle = s.join_threadsafe(joined, "j", sink)  # no batch runs yet: refused, nothing queued
+        t_long = asyncio.create_task(s.generate(long))
+        while s.batches == 0:
+            await asyncio.sleep(0.001)
+        ok = await asyncio.to_thread(s.join_threadsafe, joined, "j", sink)  # from another thread
+        while "j" not in got:
+            await asyncio.sleep(0.001)
+        t_load = asyncio.create_task(s.load_weights(sd, 7))
+        await asyncio.sleep(0)  # the weights item is submitted: the batch admits no more
+        late_ok = s.join_threadsafe(late, "late", sink)
+        r_long = await t_long
+        await t_load
+        await s.close()
+        return idle, ok, late_ok, r_long
+
+    idle, ok, late_ok, r_long = asyncio.run(go())
+    assert (idle, ok, late_ok) == (False, True, False) and set(got) == {"j"}
+    assert threading.current_thread().name not in where  # delivered from the engine's thread
+    old = BuiltinEngine(dense, get_profile("fp32"), "g", stop_on_eos=False)
+    _same(got["j"], old.generate_batch([joined])[0])
+    _same(r_long, old.generate_batch([long])[0])
+    assert got["j"].version == 0 and got["j"].timings["queue_s"] >= 0

@@ -104,3 +104,37 @@ def test_async_max_staleness_0_drops_nothing(tiny_policy: Path, tmp_path: Path) 
     assert ms[-1]["rollout/dropped_groups"] == 0
     assert max(m["rollout/staleness_max"] for m in ms) == 0
     assert_complete_and_unique(tmp_path, 4)
+
+
+def test_a_worker_joins_requests_from_its_reader_yet_a_load_comes_first(tiny_policy: Path) -> None:
+    """Requests join a running batch straight from the worker's reader thread; one sent after a
+    load in the same message waits for the load and sees the new version."""
+    from transformers import AutoModelForCausalLM
+
+    from mixrl.runtime.backends.embedded.process import ProcessSampler
+
+    sd = AutoModelForCausalLM.from_pretrained(str(tiny_policy)).state_dict()
+    new = {k: v * 1.2 for k, v in sd.items()}
+
+    def req(i: int, n: int) -> GenerationRequest:
+        return GenerationRequest([4, 20 + i, 30, 5], SamplingParams(max_new_tokens=n, seed=i, stop_ids=[]),
+                                 request_id=f"r{i}")
+
+    async def go() -> Any:
+        h = ProcessSampler("w/0", "fp32")
+        await h.start(str(tiny_policy), "fp32", 0, 1, batching={"max_wait_ms": 1})
+        await h.load_weights(sd, 1)
+        long = asyncio.ensure_future(h.generate(req(0, 60)))
+        while (await h.stats())["prefills"] == 0:  # the long request is decoding
+            await asyncio.sleep(0.002)
+        joined = await asyncio.gather(*(h.generate(req(i, 3)) for i in (1, 2)))
+        # one message [load, gen]: the request was sent after the load
+        _, after = await asyncio.gather(h.load_weights(new, 2), h.generate(req(3, 3)))
+        first, stats = await long, await h.stats()
+        await h.close()
+        return first, joined, after, stats
+
+    first, joined, after, stats = asyncio.run(go())
+    assert first.version == 1 and [r.version for r in joined] == [1, 1] and after.version == 2
+    assert stats["requests"] == 4 and stats["gen_tokens"] == 60 + 3 + 3 + 3
+    assert stats["joined_direct"] >= 2  # the two sent while the long one decoded: not through the loop

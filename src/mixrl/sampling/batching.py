@@ -39,6 +39,9 @@ the rule above holds unchanged (one version per result; a request sent after
 ``max_wait_ms``/``idle_ms`` (one prefill for a burst), but its quiet gap does not
 grow with the batch time: a request that misses the start joins the next step.
 ``batches`` counts prefills (groups of requests that joined together).
+``join_threadsafe`` lets another thread (a sampler worker's pipe reader) add a
+request to the running batch and take its result from the engine's thread,
+with no event-loop round trip; requests no batch admits go through ``generate``.
 
 A failing ``generate_batch`` or ``load_weights`` is a replica failure: the
 futures of that batch, everything queued and every later call raise
@@ -53,16 +56,39 @@ import collections
 import contextlib
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from mixrl.sampling.base import Engine, GenerationRequest, GenerationResult, ReplicaFailure, Sampler
 
+Sink = Callable[[list[tuple[Any, "GenerationResult | BaseException"]]], None]
+
+
+class _Direct:
+    """The stand-in future of a request joined from another thread (``join_threadsafe``):
+    settling it calls its sink, in the thread that settles it."""
+
+    __slots__ = ("key", "sink", "settled")
+
+    def __init__(self, key: Any, sink: Sink) -> None:
+        self.key, self.sink, self.settled = key, sink, False
+
+    def done(self) -> bool:
+        return self.settled
+
+    def set_result(self, result: Any) -> None:
+        self.settled = True
+        self.sink([(self.key, result)])
+
+    def set_exception(self, error: BaseException) -> None:
+        self.settled = True
+        self.sink([(self.key, error)])
+
 
 @dataclass(eq=False)  # hashed by identity (the in-flight set)
 class _Item:
-    future: asyncio.Future[Any]
+    future: asyncio.Future[Any] | _Direct
     request: GenerationRequest | None = None  # a generation, or
     weights: tuple[Mapping[str, Any], int] | None = None  # a weight update (state dict, version)
     enqueued: float = 0.0
@@ -112,6 +138,23 @@ class BatchingSampler(Sampler):
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         fut = self._submit(_Item(asyncio.get_running_loop().create_future(), request=request))
         return await fut
+
+    def join_threadsafe(self, request: GenerationRequest, key: Any, sink: Sink) -> bool:
+        """From any thread: add ``request`` to the running continuous batch if it is admitting
+        requests, and return True; its result (or ``ReplicaFailure``) then reaches
+        ``sink([(key, result), ...])``, called in the engine's thread with every row a decode
+        step finished, without waking the event loop. False (nothing done): no batch runs, or
+        a weights item waits; the caller goes through ``generate``. A caller that sent
+        ``load_weights`` must not join a request sent after it before that call has started
+        (the batch still admits until the weights item is submitted)."""
+        if not self._continuous or self.failure is not None or self._stop:
+            return False
+        item = _Item(_Direct(key, sink), request=request, enqueued=time.perf_counter())
+        with self._lock:
+            if not self._admitting:
+                return False
+            self._inbox.append(item)
+        return True
 
     async def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         fut = self._submit(_Item(asyncio.get_running_loop().create_future(), weights=(state_dict, version)))
@@ -266,19 +309,31 @@ class BatchingSampler(Sampler):
         with self._lock:
             for it, _ in done:
                 flight.discard(it)
-        with contextlib.suppress(RuntimeError):  # the loop closed under a stopping sampler
-            loop.call_soon_threadsafe(self._deliver, done)
+        # rows joined from another thread go to their sink from here, one call per sink and step
+        direct: dict[int, list[tuple[Any, Any]]] = {}
+        sinks: dict[int, Sink] = {}
+        queued = []
+        now = time.perf_counter()
+        for it, r in done:
+            f = it.future
+            if isinstance(f, _Direct):
+                if not f.settled:
+                    f.settled = True
+                    direct.setdefault(id(f.sink), []).append((f.key, _stamp(it, r, now)))
+                    sinks[id(f.sink)] = f.sink
+            else:
+                queued.append((it, r))
+        for k, out in direct.items():
+            sinks[k](out)
+        if queued:
+            with contextlib.suppress(RuntimeError):  # the loop closed under a stopping sampler
+                loop.call_soon_threadsafe(self._deliver, queued)
 
     def _deliver(self, done: list[tuple[_Item, GenerationResult]]) -> None:
         now = time.perf_counter()
         for it, r in done:
-            # time in the sampler beyond the engine's work on the row: the inbox and the wait to be
-            # admitted while the batch was full (continuous batches have no batch start to measure from)
-            engine = r.timings.get("prefill_s", 0.0) + r.timings.get("decode_s", 0.0)
-            r.timings["queue_s"] = max(0.0, now - it.enqueued - engine)
-            r.timings["sampler_batch"] = r.timings.get("joined", 1.0)
             if not it.future.done():
-                it.future.set_result(r)
+                it.future.set_result(_stamp(it, r, now))
 
     async def _apply(self, item: _Item) -> None:
         assert item.weights is not None
@@ -307,3 +362,12 @@ class BatchingSampler(Sampler):
         for b in pending:
             if not b.future.done():
                 b.future.set_exception(failure)
+
+
+def _stamp(it: _Item, r: GenerationResult, now: float) -> GenerationResult:
+    """Time in the sampler beyond the engine's work on the row: the inbox and the wait to be
+    admitted while the batch was full (continuous batches have no batch start to measure from)."""
+    engine = r.timings.get("prefill_s", 0.0) + r.timings.get("decode_s", 0.0)
+    r.timings["queue_s"] = max(0.0, now - it.enqueued - engine)
+    r.timings["sampler_batch"] = r.timings.get("joined", 1.0)
+    return r

@@ -15,7 +15,7 @@ messages from one duplex pipe:
     ("load", id, (manifest, version))         ("ok",  id, seconds the load took)
     ("quant", id, (base manifest, path))      ("ok",  id, (manifest of path, seconds))
     ("stats", id, None)                       ("ok",  id, {requests, prompt_tokens, gen_tokens,
-                                                           prefills, steps, cpu_s})
+                                                           joined_direct, prefills, steps, cpu_s})
     ("stop", 0, None)                         ("err", id, "ExcType: message")
                                               ("ready", 0, pid) / ("fatal", 0, traceback)
     ("many", 0, [message, ...])               ("many", 0, [message, ...])
@@ -84,6 +84,38 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
     inbox: asyncio.Queue[Any] = asyncio.Queue()
     send_lock = threading.Lock()
 
+    # Generation requests join the running batch straight from the reader thread and their
+    # results leave from the engine's thread (``join_threadsafe``): while a batch decodes,
+    # the event loop sleeps, instead of waking for every message and every finished row
+    # and trading the interpreter lock with the engine at each torch call. Anything else,
+    # and requests no batch admits, go through the loop. A request sent after a load waits
+    # behind it (through the loop) until that load has finished.
+    loads_sent = [0]  # written by the reader thread only
+    loads_done = [0]  # written by the loop only
+    direct = {"requests": 0, "prompt_tokens": 0}  # the reader thread's counts
+    sunk = {"gen_tokens": 0}  # the engine thread's count
+
+    def sink(items: list[tuple[int, Any]]) -> None:
+        msgs = []
+        for rid, r in items:
+            if isinstance(r, BaseException):
+                msgs.append(("err", rid, f"{type(r).__name__}: {r}"))
+            else:
+                sunk["gen_tokens"] += len(r.token_ids)
+                msgs.append(("ok", rid, r))
+        with send_lock, contextlib.suppress(BrokenPipeError, OSError):  # parent gone: nobody to tell
+            conn.send(msgs[0] if len(msgs) == 1 else ("many", 0, msgs))
+
+    def joined(msg: Any) -> bool:
+        kind, rid, payload = msg
+        if kind == "load":
+            loads_sent[0] += 1
+        if kind != "gen" or loads_sent[0] != loads_done[0] or not sampler.join_threadsafe(payload, rid, sink):
+            return False
+        direct["requests"] += 1
+        direct["prompt_tokens"] += len(payload.prompt_ids)
+        return True
+
     def reader() -> None:
         while True:
             try:
@@ -91,7 +123,11 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
             except (EOFError, OSError):  # the parent is gone
                 msg = ("stop", 0, None)
             if msg[0] == "many":  # the calls of one parent loop iteration: handed over together
-                loop.call_soon_threadsafe(_put_many, msg[2])
+                rest = [m for m in msg[2] if not joined(m)]
+                if rest:
+                    loop.call_soon_threadsafe(_put_many, rest)
+                continue
+            if joined(msg):
                 continue
             loop.call_soon_threadsafe(inbox.put_nowait, msg)
             if msg[0] == "stop":
@@ -127,12 +163,16 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
                 stats["gen_tokens"] += len(res.token_ids)
                 send(("ok", rid, res))
             elif kind == "stats":
-                send(("ok", rid, {**stats, "prefills": sampler.batches, "steps": sampler.steps,
-                                  "cpu_s": time.process_time()}))
+                counts = {k: v + direct.get(k, 0) + sunk.get(k, 0) for k, v in stats.items()}
+                send(("ok", rid, {**counts, "joined_direct": direct["requests"], "prefills": sampler.batches,
+                                  "steps": sampler.steps, "cpu_s": time.process_time()}))
             elif kind == "load":
                 manifest, version = payload
                 t0 = time.perf_counter()
-                await sampler.load_weights(map_manifest(manifest), version)
+                try:
+                    await sampler.load_weights(map_manifest(manifest), version)
+                finally:
+                    loads_done[0] += 1
                 send(("ok", rid, time.perf_counter() - t0))
             elif kind == "quant":
                 base, path = payload
