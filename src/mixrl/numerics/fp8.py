@@ -4,9 +4,13 @@
 
 where ``amax`` is taken over the scale group and ``fmax`` is the largest finite
 value of the element type (448 for E4M3, 57344 for E5M2). The element cast is
-torch's own ``float8_e4m3fn`` / ``float8_e5m2`` conversion (round to nearest
-even), so this is the numerics of an FP8 GEMM with FP32 scales (vLLM's
-per-tensor / per-channel FP8, DeepSeek-V3's 128x128 weight blocks).
+torch's ``float8_e4m3fn`` / ``float8_e5m2`` conversion (round to nearest even),
+so this is the numerics of an FP8 GEMM with FP32 scales (vLLM's per-tensor /
+per-channel FP8, DeepSeek-V3's 128x128 weight blocks). The round trip
+``cast_fp8(y).float()`` is computed in FP32 arithmetic (``round_to_grid``: the
+value's binade gives its grid step, a power of two, and ``round`` goes to the
+nearest even multiple), bit-identical to torch's casts (tested) and several
+times faster on CPU, where converting FP8 back to FP32 is an unvectorized loop.
 
 Edge cases (why):
 - ``amax`` ignores NaN and ±inf, so one bad element cannot poison the scale of
@@ -25,9 +29,23 @@ import torch
 _TINY = torch.finfo(torch.float32).tiny
 
 
+# element type -> (mantissa bits, exponent of the smallest normal)
+GRIDS = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
+
+
+def round_to_grid(y: torch.Tensor, mbits: int, emin: int) -> torch.Tensor:
+    """float32 ``y`` rounded to nearest even onto the values of a float format with
+    ``mbits`` mantissa bits and smallest normal ``2**emin`` (subnormals below it): the
+    step in the binade [2^e, 2^(e+1)) is 2^(max(e, emin) - mbits). ``y`` must lie in the
+    format's finite range (callers clamp first); NaN stays NaN."""
+    expo = y.view(torch.int32) & 0x7F800000  # the binade 2^e, as bits
+    step = (expo - (mbits << 23)).clamp_min((127 + emin - mbits) << 23).view(torch.float32)
+    return torch.round(y / step) * step  # exact: step is a power of two
+
+
 def finite_amax(x: torch.Tensor, dim: tuple[int, ...] | int | None = None) -> torch.Tensor:
     """max |x| over ``dim`` (all dims if None), ignoring NaN and ±inf; keepdim."""
-    mag = torch.where(torch.isfinite(x), x.abs(), torch.zeros((), dtype=x.dtype, device=x.device))
+    mag = torch.nan_to_num(x.abs(), nan=0.0, posinf=0.0)  # the same values as a where(isfinite), faster
     if dim is None:
         return mag.amax().reshape([1] * x.dim())
     return mag.amax(dim=dim, keepdim=True)
@@ -39,8 +57,8 @@ def cast_scaled(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> torc
     scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax)).clamp_min(_TINY)
     # clamp keeps NaN; the explicit clamp makes saturation independent of the
     # torch version's own cast behaviour for out-of-range values.
-    q = (x / scale).clamp(-fmax, fmax).to(dtype)
-    return q.to(torch.float32) * scale
+    q = round_to_grid((x / scale).clamp(-fmax, fmax), *GRIDS[dtype])  # = .to(dtype).float()
+    return q * scale
 
 
 def fp8_rowwise(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -16,6 +16,14 @@ unchanged, so this is exactly a short final block (no fallback format).
 Non-finite values follow the formats: E2M1 has no NaN or inf, so a block with a
 NaN (or, for MX, an inf) gets a NaN scale and dequantizes to NaN as a whole —
 it never turns into a finite number. The NVFP4 outer scale ignores NaN/inf.
+
+NVFP4 runs torchao's ``nvfp4_quantize`` arithmetic op for op, then (instead of
+encoding E2M1 codes bit by bit, packing and decoding them) rounds the scaled
+elements onto the E2M1 grid in FP32 (``fp8.round_to_grid``) and multiplies by
+the same FP32 scales: bit-identical to ``NVFP4Tensor.to_nvfp4(...).dequantize``
+(tested), about ten times faster on CPU. A tensor whose scaled elements hold a NaN
+(a NaN input, or an outer scale so small that ``0 · inf`` appears) goes through
+torchao itself, whose encoder gives NaN a code of its own.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from mixrl.numerics._torchao import torchao_mx
-from mixrl.numerics.fp8 import finite_amax
+from mixrl.numerics.fp8 import GRIDS, finite_amax, round_to_grid
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -68,15 +76,41 @@ def nvfp4(x: torch.Tensor, *, outer: str, block: int = 16) -> torch.Tensor:
         return x.to(torch.float32)
     if outer == "tensor":
         scale = _outer_scale(finite_amax(x2).reshape(()))  # []
-        q = t.NVFP4Tensor.to_nvfp4(x2, block, per_tensor_scale=scale).dequantize(torch.float32)
+        q = _nvfp4_grid(x2, scale, block)
+        if q is None:
+            q = t.NVFP4Tensor.to_nvfp4(x2, block, per_tensor_scale=scale).dequantize(torch.float32)
     elif outer == "row":
         x3 = x2.unsqueeze(1)  # [R, 1, Kp]: torchao treats dim 0 as experts with own outer scale
         scale = _outer_scale(finite_amax(x3, dim=(1, 2)))  # [R, 1, 1]
-        q = t.NVFP4Tensor.to_nvfp4(x3, block, per_tensor_scale=scale).dequantize(torch.float32)
-        q = q.squeeze(1)
+        q = _nvfp4_grid(x2, scale.reshape(-1, 1), block)
+        if q is None:
+            q = t.NVFP4Tensor.to_nvfp4(x3, block, per_tensor_scale=scale).dequantize(torch.float32)
+            q = q.squeeze(1)
     else:
         raise ValueError(f"nvfp4 outer must be 'tensor' or 'row', got {outer!r}")
     return q[:, :k].reshape(x.shape)
+
+
+_E4M3_MAX, _E2M1_MAX = 448.0, 6.0
+_E4M3_EPS = torch.finfo(torch.float8_e4m3fn).tiny  # torchao's lower clamp of the block scales
+
+
+def _nvfp4_grid(x2: torch.Tensor, outer: torch.Tensor, block: int) -> torch.Tensor | None:
+    """``to_nvfp4(x2, per_tensor_scale=outer).dequantize()`` for x2 [R, Kp] float32 and an
+    outer scale [] or [R, 1], computed as torchao's ``nvfp4_quantize`` computes it; None
+    when a scaled element is NaN (torchao's encoder then decides)."""
+    r, kp = x2.shape
+    data = x2.view(r, kp // block, block)  # [R, Kp/16, 16]
+    max_abs = torch.nn.functional.max_pool1d(x2.abs().view(1, 1, -1), block).view(r, kp // block)
+    block_scale = max_abs / _E2M1_MAX
+    scaled = (block_scale / outer).clamp(min=_E4M3_EPS, max=_E4M3_MAX)
+    scaled_fp8 = round_to_grid(scaled, *GRIDS[torch.float8_e4m3fn])  # = .to(float8_e4m3fn).float()
+    reciprocal = (1.0 / outer) / scaled_fp8  # [R, Kp/16]
+    elems = data * reciprocal.unsqueeze(-1)
+    if torch.isnan(elems.sum()):  # one reduction instead of an elementwise test
+        return None
+    q = round_to_grid(elems.clamp(-_E2M1_MAX, _E2M1_MAX), 1, 0)  # E2M1: 1 mantissa bit, emin 0
+    return (q * (outer * scaled_fp8).unsqueeze(-1)).view(r, kp)
 
 
 def e2m1_values() -> torch.Tensor:
