@@ -98,9 +98,10 @@ def _nvfp4_reference(x: torch.Tensor, outer: str) -> torch.Tensor:
 
 def test_nvfp4_grid_path_is_taken_unless_a_scaled_element_is_nan() -> None:
     w = torch.randn(32, 64)
-    assert microscaling._nvfp4_grid(w, microscaling._outer_scale(fp8.finite_amax(w).reshape(())), 16) is not None
+    blocks = w.abs().view(32, 4, 16).amax(-1)
+    assert microscaling._nvfp4_grid(w, blocks, microscaling._outer_scale(blocks.amax()), 16) is not None
     w[3, 4] = float("nan")
-    assert microscaling._nvfp4_grid(w, torch.tensor(0.01), 16) is None
+    assert microscaling._nvfp4_grid(w, blocks, torch.tensor(0.01), 16) is None
 
 
 @pytest.mark.parametrize("outer", ["tensor", "row"])

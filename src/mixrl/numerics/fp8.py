@@ -39,8 +39,8 @@ def round_to_grid(y: torch.Tensor, mbits: int, emin: int) -> torch.Tensor:
     step in the binade [2^e, 2^(e+1)) is 2^(max(e, emin) - mbits). ``y`` must lie in the
     format's finite range (callers clamp first); NaN stays NaN."""
     expo = y.view(torch.int32) & 0x7F800000  # the binade 2^e, as bits
-    step = (expo - (mbits << 23)).clamp_min((127 + emin - mbits) << 23).view(torch.float32)
-    return torch.round(y / step) * step  # exact: step is a power of two
+    step = expo.sub_(mbits << 23).clamp_min_((127 + emin - mbits) << 23).view(torch.float32)
+    return torch.div(y, step).round_().mul_(step)  # exact: step is a power of two
 
 
 def finite_amax(x: torch.Tensor, dim: tuple[int, ...] | int | None = None) -> torch.Tensor:
@@ -57,8 +57,8 @@ def cast_scaled(x: torch.Tensor, amax: torch.Tensor, dtype: torch.dtype) -> torc
     scale = torch.where(amax > 0, amax / fmax, torch.ones_like(amax)).clamp_min(_TINY)
     # clamp keeps NaN; the explicit clamp makes saturation independent of the
     # torch version's own cast behaviour for out-of-range values.
-    q = round_to_grid((x / scale).clamp(-fmax, fmax), *GRIDS[dtype])  # = .to(dtype).float()
-    return q * scale
+    q = round_to_grid((x / scale).clamp_(-fmax, fmax), *GRIDS[dtype])  # = .to(dtype).float()
+    return q.mul_(scale)
 
 
 def fp8_rowwise(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

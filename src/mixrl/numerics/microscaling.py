@@ -70,24 +70,26 @@ def nvfp4(x: torch.Tensor, *, outer: str, block: int = 16) -> torch.Tensor:
     outer="row": one per row of the last dim (a token, or a token and head), so a
     quantized KV entry never depends on what else was in the batch.
     """
-    t = torchao_mx()
+    if outer not in ("tensor", "row"):
+        raise ValueError(f"nvfp4 outer must be 'tensor' or 'row', got {outer!r}")
     x2, k = _rows_padded(x, block)  # [R, Kp]
     if x2.numel() == 0:
         return x.to(torch.float32)
-    if outer == "tensor":
-        scale = _outer_scale(finite_amax(x2).reshape(()))  # []
-        q = _nvfp4_grid(x2, scale, block)
-        if q is None:
+    r, kp = x2.shape
+    max_abs = torch.nn.functional.max_pool1d(x2.abs().view(1, 1, -1), block).view(r, kp // block)
+    # the outer scale's finite amax: the largest block max when that is finite (max is exact)
+    amax = max_abs.amax() if outer == "tensor" else max_abs.amax(dim=1, keepdim=True)  # [] or [R, 1]
+    if not bool(torch.isfinite(amax).all()):
+        amax = finite_amax(x2).reshape(()) if outer == "tensor" else finite_amax(x2, dim=-1)
+    scale = _outer_scale(amax)
+    q = _nvfp4_grid(x2, max_abs, scale, block)
+    if q is None:
+        t = torchao_mx()
+        if outer == "tensor":
             q = t.NVFP4Tensor.to_nvfp4(x2, block, per_tensor_scale=scale).dequantize(torch.float32)
-    elif outer == "row":
-        x3 = x2.unsqueeze(1)  # [R, 1, Kp]: torchao treats dim 0 as experts with own outer scale
-        scale = _outer_scale(finite_amax(x3, dim=(1, 2)))  # [R, 1, 1]
-        q = _nvfp4_grid(x2, scale.reshape(-1, 1), block)
-        if q is None:
-            q = t.NVFP4Tensor.to_nvfp4(x3, block, per_tensor_scale=scale).dequantize(torch.float32)
-            q = q.squeeze(1)
-    else:
-        raise ValueError(f"nvfp4 outer must be 'tensor' or 'row', got {outer!r}")
+        else:  # [R, 1, Kp]: torchao treats dim 0 as experts, each with its own outer scale
+            q = t.NVFP4Tensor.to_nvfp4(x2.unsqueeze(1), block, per_tensor_scale=scale.view(-1, 1, 1))
+            q = q.dequantize(torch.float32).squeeze(1)
     return q[:, :k].reshape(x.shape)
 
 
@@ -95,13 +97,13 @@ _E4M3_MAX, _E2M1_MAX = 448.0, 6.0
 _E4M3_EPS = torch.finfo(torch.float8_e4m3fn).tiny  # torchao's lower clamp of the block scales
 
 
-def _nvfp4_grid(x2: torch.Tensor, outer: torch.Tensor, block: int) -> torch.Tensor | None:
-    """``to_nvfp4(x2, per_tensor_scale=outer).dequantize()`` for x2 [R, Kp] float32 and an
-    outer scale [] or [R, 1], computed as torchao's ``nvfp4_quantize`` computes it; None
-    when a scaled element is NaN (torchao's encoder then decides)."""
+def _nvfp4_grid(x2: torch.Tensor, max_abs: torch.Tensor, outer: torch.Tensor, block: int) -> torch.Tensor | None:
+    """``to_nvfp4(x2, per_tensor_scale=outer).dequantize()`` for x2 [R, Kp] float32, its
+    block maxes of |x| [R, Kp/16] and an outer scale [] or [R, 1], computed as torchao's
+    ``nvfp4_quantize`` computes it; None when a scaled element is NaN (torchao's encoder
+    then decides)."""
     r, kp = x2.shape
     data = x2.view(r, kp // block, block)  # [R, Kp/16, 16]
-    max_abs = torch.nn.functional.max_pool1d(x2.abs().view(1, 1, -1), block).view(r, kp // block)
     block_scale = max_abs / _E2M1_MAX
     scaled = (block_scale / outer).clamp(min=_E4M3_EPS, max=_E4M3_MAX)
     scaled_fp8 = round_to_grid(scaled, *GRIDS[torch.float8_e4m3fn])  # = .to(float8_e4m3fn).float()
@@ -109,8 +111,8 @@ def _nvfp4_grid(x2: torch.Tensor, outer: torch.Tensor, block: int) -> torch.Tens
     elems = data * reciprocal.unsqueeze(-1)
     if torch.isnan(elems.sum()):  # one reduction instead of an elementwise test
         return None
-    q = round_to_grid(elems.clamp(-_E2M1_MAX, _E2M1_MAX), 1, 0)  # E2M1: 1 mantissa bit, emin 0
-    return (q * (outer * scaled_fp8).unsqueeze(-1)).view(r, kp)
+    q = round_to_grid(elems.clamp_(-_E2M1_MAX, _E2M1_MAX), 1, 0)  # E2M1: 1 mantissa bit, emin 0
+    return q.mul_((outer * scaled_fp8).unsqueeze(-1)).view(r, kp)
 
 
 def e2m1_values() -> torch.Tensor:
