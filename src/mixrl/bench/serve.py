@@ -61,7 +61,6 @@ import asyncio
 import functools
 import json
 import os
-import socket
 import statistics
 import time
 from typing import Any
@@ -245,7 +244,7 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace, kind: str
 
     import uvicorn
 
-    from mixrl.serve.app import make_app, server_options
+    from mixrl.serve.app import loopback_socket, make_app, server_options
     from mixrl.serve.core import ServeCore
 
     async def generate(session: str, request: Any) -> Any:
@@ -253,14 +252,13 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace, kind: str
 
     core = ServeCore(chat, generate, model="policy", max_total_tokens=4096, default_max_tokens=args.max_tokens)
     await core.chat_completion({"messages": [{"role": "user", "content": "warm-up"}], "max_tokens": 1}, None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    sock = loopback_socket()
+    port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(make_app(core, api_key="bench"), host="127.0.0.1", port=port,
                                            lifespan="off", timeout_keep_alive=300,  # connected before the timing
                                            **server_options()))
     server.install_signal_handlers = lambda: None
-    task = asyncio.ensure_future(server.serve())
+    task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:
         await asyncio.sleep(0.01)
     url = f"http://127.0.0.1:{port}/v1"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,7 +48,7 @@ class InRunEndpoint:
             return ep
         import uvicorn
 
-        from mixrl.serve.app import make_app, server_options
+        from mixrl.serve.app import loopback_socket, make_app, server_options
 
         routes: dict[str, Any] = {}
 
@@ -66,16 +65,15 @@ class InRunEndpoint:
 
         core = ServeCore(chat, generate, model=model, max_total_tokens=max_total_tokens, record=record, adapt=adapt)
         api_key = secrets.token_urlsafe(24)
-        with socket.socket() as s:  # a free loopback port
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        sock = loopback_socket()  # bound now: no other process can take the port meanwhile
+        port = sock.getsockname()[1]
         # keep-alive longer than an agent's tool call: a connection the server closes while the
         # agent sends its next request would fail that request (agents' clients do not retry)
         config = uvicorn.Config(make_app(core, api_key=api_key), host="127.0.0.1", port=port,
                                 lifespan="off", timeout_keep_alive=300, **server_options())
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # the run owns Ctrl-C
-        task = asyncio.ensure_future(server.serve())
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
         while not server.started:
             if task.done():
                 task.result()  # raises the start-up error
