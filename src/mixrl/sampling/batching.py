@@ -139,6 +139,12 @@ class BatchingSampler(Sampler):
         fut = self._submit(_Item(asyncio.get_running_loop().create_future(), request=request))
         return await fut
 
+    def generate_to(self, request: GenerationRequest, key: Any, sink: Sink) -> None:
+        """``generate`` without an awaitable (on the event loop's thread): the result, or
+        ``ReplicaFailure``, reaches ``sink([(key, result), ...])`` from whichever thread
+        settles it (the engine's, for a continuous batch), so results do not wake the loop."""
+        self._submit(_Item(_Direct(key, sink), request=request))
+
     def join_threadsafe(self, request: GenerationRequest, key: Any, sink: Sink) -> bool:
         """From any thread: add ``request`` to the running continuous batch if it is admitting
         requests, and return True; its result (or ``ReplicaFailure``) then reaches

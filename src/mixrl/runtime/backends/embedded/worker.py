@@ -156,12 +156,10 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
 
     async def handle(kind: str, rid: int, payload: Any) -> None:
         try:
-            if kind == "gen":
+            if kind == "gen":  # the result leaves through the sink, from the engine's thread
                 stats["requests"] += 1
                 stats["prompt_tokens"] += len(payload.prompt_ids)
-                res = await sampler.generate(payload)
-                stats["gen_tokens"] += len(res.token_ids)
-                send(("ok", rid, res))
+                sampler.generate_to(payload, rid, sink)
             elif kind == "stats":
                 counts = {k: v + direct.get(k, 0) + sunk.get(k, 0) for k, v in stats.items()}
                 send(("ok", rid, {**counts, "joined_direct": direct["requests"], "prefills": sampler.batches,
