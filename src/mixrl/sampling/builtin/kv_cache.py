@@ -58,8 +58,8 @@ class KVCache:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v ``[B, Hkv, T, D]`` at logical columns [col0, col0 + T); return the
         layer's whole cache from logical column 0: keys and values ``[B, Hkv, length, D]``."""
-        if self.quantize is not None:  # per token and head, over head_dim
-            k, v = self.quantize(k), self.quantize(v)
+        if self.quantize is not None:  # per token and head, over head_dim: k and v in one call
+            k, v = self.quantize(torch.stack((k, v))).unbind(0)
         end = col0 + k.shape[2]
         if end > self.length:
             raise IndexError(f"KV cache write to column {end - 1} beyond its length {self.length}")
