@@ -84,21 +84,18 @@ def make_app(core: ServeCore, api_key: str | None = None) -> FastAPI:
             log.exception("internal error answering %s %s", request.method, request.url.path)
             return answer(500, ApiError(500, "internal server error", type_="server_error").body())
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        async def work() -> Any:
-            body = await body_of(request)
-            return await core.chat_completion(body, session_of(request, body))
+    def post(path: str, handle: Callable[[dict[str, Any], str | None], Awaitable[Any]]) -> None:
+        async def route(request: Request) -> Response:
+            async def work() -> Any:
+                body = await body_of(request)
+                return await handle(body, session_of(request, body))
 
-        return await guarded(request, work)
+            return await guarded(request, work)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        async def work() -> Any:
-            body = await body_of(request)
-            return await core.completion(body, session_of(request, body))
+        app.post(path)(route)
 
-        return await guarded(request, work)
+    post("/v1/chat/completions", core.chat_completion)
+    post("/v1/completions", core.completion)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
