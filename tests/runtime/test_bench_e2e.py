@@ -21,6 +21,11 @@ def test_bench_e2e_json(tiny_policy: Path, tmp_path: Path, capsys: pytest.Captur
     for key in ("async_over_sync", "trainer_idle_frac", "mixrl_over_trl", "publish_over_copy", "publish_over_floor"):
         assert key in res
     assert res["publish_floor_s"] >= res["copy_s"] and res["publish_over_floor"] > 0
+    # the floor at the workers' thread count, and the older definition side by side
+    mixed = res["publish"]["mixed_fleet"]
+    assert mixed["quantize_threads"]["worker"] == 1 and set(mixed["quantize_s"]) == set(mixed["formats"])
+    assert set(mixed["quantize_s_default_threads"]) == set(mixed["formats"]) and mixed["shm_copy_s"] > 0
+    assert res["publish_floor_default_threads_s"] >= res["copy_s"] and res["publish_over_floor_default_threads"] > 0
     assert res["async_over_sync"] > 0 and 0 <= res["trainer_idle_frac"] <= 1
     assert res["publish_s"] > 0 and res["copy_s"] > 0
     assert res["trl"]["available"] is False and res["mixrl_over_trl"] is None
