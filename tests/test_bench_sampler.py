@@ -42,12 +42,17 @@ def test_both_sides_generate_every_token_despite_eos(model_dir):
     assert sampler._hf_run(hf, prompts, 20) == 8 * 20
 
 
-def test_bench_json_fields(model_dir, capsys):
+def _bench_json(model_dir, capsys, repeats: int) -> dict:
+    """``mixrl bench sampler --json`` on the tiny model (batch 4 x 6 new tokens, no vLLM, no memory)."""
     rc = sampler.main(_args("--json", "--model", model_dir, "--batch", "4", "--prompt-len", "4",
-                            "--new-tokens", "6", "--repeats", "1", "--threads", "1", "--no-vllm",
+                            "--new-tokens", "6", "--repeats", str(repeats), "--threads", "1", "--no-vllm",
                             "--no-memory"))  # fmt: skip
     assert rc == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_bench_json_fields(model_dir, capsys):
+    out = _bench_json(model_dir, capsys, 1)
     for key in ("builtin_tok_s", "hf_tok_s", "builtin_support_tok_s", "builtin_cpu_tok_s", "hf_cpu_tok_s"):
         assert out[key] > 0
     assert out["builtin_over_hf"] == pytest.approx(out["builtin_tok_s"] / out["hf_tok_s"], rel=1e-2)
@@ -65,11 +70,7 @@ def test_peak_memory_child_reports_the_generation_only(model_dir):
 
 
 def test_floor_fields_are_the_best_floor_run_and_consistent(model_dir, capsys):
-    rc = sampler.main(_args("--json", "--model", model_dir, "--batch", "4", "--prompt-len", "4",
-                            "--new-tokens", "6", "--repeats", "2", "--threads", "1", "--no-vllm",
-                            "--no-memory"))  # fmt: skip
-    assert rc == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = _bench_json(model_dir, capsys, 2)
     assert out["builtin_path"] == "qwen3-fast" and "floor_note" not in out
     gemm, attn = out["floor_gemm_s"], out["floor_attention_s"]
     assert gemm > 0 and attn > 0 and out["floor_gemm_gflop_s"] > 0 and out["floor_attention_gb_s"] > 0

@@ -31,9 +31,8 @@ Three measurements in one invocation, all on the bundled policy:
    shared memory (``shm_copy_s``).
 
    The floor's quantizations run with ``runtime.torch_threads`` torch threads,
-   the count the quantizing worker process has (``quantize_s``). Before, they ran
-   with the bench process's default count (one per core), which no worker ever
-   has: on small tensors the extra intra-op thread costs more than it gives
+   the count the quantizing worker process has (``quantize_s``), not the bench
+   process's default count (one per core), which no worker has: on small tensors the extra intra-op thread costs more than it gives
    (NVFP4 of the bundled policy: ~5 ms with 2 threads, ~3 ms with 1), and on a
    busy 2-core machine its barrier waits made the figure erratic. That older
    definition is still reported side by side: ``quantize_s_default_threads``,

@@ -262,7 +262,7 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace, kind: str
     while not server.started:
         await asyncio.sleep(0.01)
     url = f"http://127.0.0.1:{port}/v1"
-    marks: list[tuple[float, ...]] = []  # (CPU, batches, steps, engine CPU) when the timed load began and ended
+    marks: list[tuple[Any, ...]] = []  # (CPU, batches, steps, engine CPU) when the timed load began and ended
 
     async def mark() -> None:
         marks.append((time.process_time(), *await _counts(sampler)))
@@ -291,8 +291,8 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace, kind: str
         # clients' connections and warm-up, or their close)
         (cpu0, b0, s0, e0), (cpu1, b1, s1, e1) = marks
         out["serve_cpu_s"] = round(cpu1 - cpu0, 3)
-        out["engine_batches"], out["engine_steps"] = int(b1 - b0), int(s1 - s0)
-        if e0 == e0:  # a worker process: its CPU apart (NaN: the engine runs in this process)
+        out["engine_batches"], out["engine_steps"] = b1 - b0, s1 - s0
+        if e0 is not None:  # a worker process: its CPU apart (None: the engine runs in this process)
             out["engine_cpu_s"] = round(e1 - e0, 3)
         out["history_rewrites"] = core.sessions.history_rewrites
         out["client"] += ", in-process" if args.client_in_process else ", separate process"
@@ -302,13 +302,13 @@ async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace, kind: str
         await task
 
 
-async def _counts(sampler: Any) -> tuple[float, float, float]:
+async def _counts(sampler: Any) -> tuple[int, int, float | None]:
     """(prefills, decode steps, the engine's CPU seconds) so far: a worker process asked over
-    its pipe, an in-process ``BatchingSampler`` read directly (CPU NaN: it is this process's)."""
+    its pipe, an in-process ``BatchingSampler`` read directly (CPU None: it is this process's)."""
     if hasattr(sampler, "stats"):
         st = await sampler.stats()
-        return float(st["prefills"]), float(st["steps"]), float(st["cpu_s"])
-    return float(sampler.batches), float(sampler.steps), float("nan")
+        return int(st["prefills"]), int(st["steps"]), float(st["cpu_s"])
+    return sampler.batches, sampler.steps, None
 
 
 def _shape(spec: str) -> tuple[int, int]:
@@ -378,9 +378,9 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
             out = await arm(chat, sampler, args)
             out["process_cpu_s"] = round(time.process_time() - cpu, 3)  # this process: server, asyncio (+ engine)
             after = await _counts(sampler)
-            out.setdefault("engine_batches", int(after[0] - before))
-            out.setdefault("engine_steps", int(after[1] - steps))
-            if eng == eng:
+            out.setdefault("engine_batches", after[0] - before)
+            out.setdefault("engine_steps", after[1] - steps)
+            if eng is not None:
                 out.setdefault("engine_cpu_s", round(after[2] - eng, 3))
             runs[name].append(out)
     load.append(round(os.getloadavg()[0], 2))

@@ -316,8 +316,7 @@ class BatchingSampler(Sampler):
             for it, _ in done:
                 flight.discard(it)
         # rows joined from another thread go to their sink from here, one call per sink and step
-        direct: dict[int, list[tuple[Any, Any]]] = {}
-        sinks: dict[int, Sink] = {}
+        direct: dict[Sink, list[tuple[Any, Any]]] = {}
         queued = []
         now = time.perf_counter()
         for it, r in done:
@@ -325,12 +324,11 @@ class BatchingSampler(Sampler):
             if isinstance(f, _Direct):
                 if not f.settled:
                     f.settled = True
-                    direct.setdefault(id(f.sink), []).append((f.key, _stamp(it, r, now)))
-                    sinks[id(f.sink)] = f.sink
+                    direct.setdefault(f.sink, []).append((f.key, _stamp(it, r, now)))
             else:
                 queued.append((it, r))
-        for k, out in direct.items():
-            sinks[k](out)
+        for sink, out in direct.items():
+            sink(out)
         if queued:
             with contextlib.suppress(RuntimeError):  # the loop closed under a stopping sampler
                 loop.call_soon_threadsafe(self._deliver, queued)

@@ -92,8 +92,8 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
             h = ProcessSampler(name, group)
             await h.start(str(path), prof, seed, args.threads, batching=BATCHING)
             return h
-        engine = await asyncio.to_thread(make_engine, str(path), prof, group, seed=seed, max_batch=64,
-                                         num_threads=args.threads)
+        engine = await asyncio.to_thread(make_engine, str(path), prof, group, seed=seed,
+                                         max_batch=BATCHING["max_batch"], num_threads=args.threads)
         return _Replica(name, group, BatchingSampler(engine, **BATCHING))
 
     groups = [GroupSpec(p.name, p.relative_throughput, args.replicas, args.replicas, args.replicas) for p in profiles]

@@ -245,7 +245,8 @@ class ProcessSampler(SamplerHandle):
         self._corrupt += n
 
     async def stats(self) -> dict[str, Any]:
-        """The worker's counters: requests, prompt_tokens, gen_tokens, prefills, steps, cpu_s."""
+        """The worker's counters: requests, prompt_tokens, gen_tokens, joined_direct (requests that
+        joined a running batch from its pipe reader), prefills, steps, cpu_s."""
         return dict(await self._call("stats", None))
 
     async def close(self) -> None:

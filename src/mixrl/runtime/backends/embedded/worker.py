@@ -92,8 +92,10 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
     # behind it (through the loop) until that load has finished.
     loads_sent = [0]  # written by the reader thread only
     loads_done = [0]  # written by the loop only
-    direct = {"requests": 0, "prompt_tokens": 0}  # the reader thread's counts
-    sunk = {"gen_tokens": 0}  # the engine thread's count
+    # counts, each written by one thread: the reader's direct joins, the loop's requests, the sinks'
+    direct = {"requests": 0, "prompt_tokens": 0}
+    stats = {"requests": 0, "prompt_tokens": 0}
+    sunk = {"gen_tokens": 0}
 
     def sink(items: list[tuple[int, Any]]) -> None:
         msgs = []
@@ -152,8 +154,6 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
             loop.call_soon(flush)
         outbox.append(msg)
 
-    stats = {"requests": 0, "prompt_tokens": 0, "gen_tokens": 0}
-
     async def handle(kind: str, rid: int, payload: Any) -> None:
         try:
             if kind == "gen":  # the result leaves through the sink, from the engine's thread
@@ -161,8 +161,8 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
                 stats["prompt_tokens"] += len(payload.prompt_ids)
                 sampler.generate_to(payload, rid, sink)
             elif kind == "stats":
-                counts = {k: v + direct.get(k, 0) + sunk.get(k, 0) for k, v in stats.items()}
-                send(("ok", rid, {**counts, "joined_direct": direct["requests"], "prefills": sampler.batches,
+                counts = {k: v + direct[k] for k, v in stats.items()}
+                send(("ok", rid, {**counts, **sunk, "joined_direct": direct["requests"], "prefills": sampler.batches,
                                   "steps": sampler.steps, "cpu_s": time.process_time()}))
             elif kind == "load":
                 manifest, version = payload
