@@ -208,3 +208,22 @@ def test_a_weights_load_error_fails_the_replica_never_a_stall(tiny_policy: Path)
         await fleet.close()
 
     asyncio.run(main())
+
+
+def test_a_replica_that_dies_idle_fails_over_without_a_request(tiny_policy: Path) -> None:
+    """The health watch finds a dead replica that no request or load touches."""
+    async def main() -> None:
+        backend, fleet, sd = _setup(tiny_policy, {"a": ("fp32", 2)})
+        fleet.health_s, fleet.restart_failed = 0.05, False
+        fleet.publish(0, copy_state_dict(sd))
+        await fleet.start()
+        backend.kill("a/0")
+        deadline = time.monotonic() + 30
+        while fleet.counts["replica_failures"] < 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert fleet.counts["replica_failures"] == 1
+        assert "a/0" not in fleet.handles and "a/1" in [r.name for r in fleet.router.ready("a")]
+        await fleet.close()
+        await backend.shutdown()
+
+    asyncio.run(main())

@@ -62,6 +62,19 @@ def test_groups_land_on_their_accelerators_and_survive_a_removed_node(
             removed.append(row["actor"])
 
         asyncio.ensure_future(chaos())
+        inner = orch.trainer.step
+
+        async def step(*args: Any) -> Any:
+            # Ray declares the node's actors dead only after its health checks fail (seconds):
+            # a fast run could otherwise finish on the other replicas before any call to the
+            # removed one fails, and the failover would go unseen. The next update waits for it.
+            deadline = asyncio.get_running_loop().time() + 120
+            while removed and orch.fleet.counts["replica_failures"] < 1:
+                assert asyncio.get_running_loop().time() < deadline, "the removed node's replica never failed"
+                await asyncio.sleep(0.1)
+            return await inner(*args)
+
+        orch.trainer.step = step
 
     cfg = tiny_cfg(
         tiny_policy, tmp_path,

@@ -8,7 +8,8 @@ Lifecycle of one replica (see ``router`` for the states):
 2. On ``publish`` every live replica pulls the newest version in the
    background; a replica that is already loading loops until it has caught up
    (versions published meanwhile are skipped, never queued).
-3. A replica that raises ``ReplicaFailure`` (in ``generate`` or while loading)
+3. A replica that raises ``ReplicaFailure`` (in ``generate``, while loading,
+   or when the fleet asks every ``health_s`` whether it lives, idle or not)
    is ``failed``: it gets no more traffic, the sessions on it continue on
    another replica, and, with ``restart_failed``, a fresh replica replaces it
    (it serves once caught up).
@@ -93,6 +94,7 @@ class Fleet:
         max_retries: int = 8,
         restart_failed: bool = True,
         wait_for_replica_s: float = 120.0,
+        health_s: float = 2.0,
     ):
         self.specs = {g.name: g for g in groups}
         self.router = Router({g.name: g.relative_throughput for g in groups}, seed=seed)
@@ -107,6 +109,7 @@ class Fleet:
         self.max_retries = max_retries
         self.restart_failed = restart_failed
         self.wait_for_replica_s = wait_for_replica_s
+        self.health_s = health_s  # how often serving replicas are asked whether they live (0: never)
         self.counts = {"replica_failures": 0, "malformed_results": 0, "retried_requests": 0, "sampler_errors": 0}
         self._changed = asyncio.Event()  # set whenever a replica becomes ready
         self.closed = False
@@ -139,6 +142,21 @@ class Fleet:
         if not names:
             raise RuntimeError("no sampler replica could start:\n" + "\n".join(errors))
         await asyncio.gather(*(self._sync_tasks[n] for n in names if n in self._sync_tasks))
+        if self.health_s > 0:
+            self._spawn(self._watch())
+
+    async def _watch(self) -> None:
+        """Every ``health_s``, ask each serving replica whether it lives: one that died idle
+        (its node removed, its process gone) fails over now, not at its next request. A slow
+        answer is not a death: only a ``ReplicaFailure`` counts."""
+        while not self.closed:
+            await asyncio.sleep(self.health_s)
+            names = [n for n, r in self.router.replicas.items() if r.state in (READY, CATCHING_UP) and n in self.handles]
+            outs = await asyncio.gather(*(asyncio.wait_for(self.handles[n].alive(), 10 * self.health_s)
+                                          for n in names), return_exceptions=True)
+            for name, out in zip(names, outs, strict=True):
+                if isinstance(out, ReplicaFailure):
+                    self._mark_failed(name, out)
 
     async def add_replica(self, group: str, *, wait: bool = True) -> str:
         """Scale ``group`` up by one; with ``wait``, return once the replica serves."""

@@ -33,6 +33,11 @@ class SamplerHandle(abc.ABC):
         """Load a stored version (``ref`` from the weight store); quantize on load.
         ``Superseded`` if the version is gone and a newer one should be loaded."""
 
+    async def alive(self) -> None:
+        """Return if the replica is alive, raise ``ReplicaFailure`` if it is gone. Asked
+        periodically of idle replicas too, so one that dies between requests fails over
+        at once. Default: nothing to ask (a replica whose death its requests reveal)."""
+
     @abc.abstractmethod
     async def close(self) -> None:
         """Release the replica (idempotent)."""

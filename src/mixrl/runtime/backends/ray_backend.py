@@ -302,6 +302,12 @@ class RaySampler(SamplerHandle):
         except (RayActorError, RayTaskError) as e:
             raise _replica_error(e, self.name) from e
 
+    async def alive(self) -> None:
+        try:
+            await self.actor.pid.remote()
+        except RayActorError as e:  # died, or its node is unreachable (ActorUnavailableError)
+            raise _replica_error(e, self.name) from e
+
     async def load_weights(self, ref: Any, version: int) -> None:
         if isinstance(ref, Broadcast):
             await self._receive(ref.version)

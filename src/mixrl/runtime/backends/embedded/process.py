@@ -211,6 +211,10 @@ class ProcessSampler(SamplerHandle):
             res = corrupted(res, self._corrupt)
         return res
 
+    async def alive(self) -> None:
+        if self.dead:  # the reader saw the pipe close: the process is gone
+            raise ReplicaFailure(f"replica {self.name}: worker process {self.pid} is gone")
+
     async def load_weights(self, ref: Any, version: int) -> None:
         if self.dead:
             raise ReplicaFailure(f"replica {self.name} is dead")

@@ -84,6 +84,10 @@ class ThreadSampler(SamplerHandle):
             res = corrupted(res, self._corrupt)
         return res
 
+    async def alive(self) -> None:
+        if self.dead:
+            raise ReplicaFailure(f"replica {self.name} is dead")
+
     async def load_weights(self, ref: Any, version: int) -> None:
         if self.dead:
             raise ReplicaFailure(f"replica {self.name} is dead")
