@@ -347,6 +347,7 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
     from mixrl.envs.chat import ChatFormat
     from mixrl.models.loading import resolve_model
     from mixrl.sampling.batching import BatchingSampler
+    from mixrl.serve.app import settle_heap
     from mixrl.sampling.factory import make_engine
 
     args = argparse.Namespace(**{**vars(args), "max_tokens": max_tokens})
@@ -366,6 +367,7 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
                                  num_threads=args.threads or None)
             sampler = BatchingSampler(engine, **batching)
     await _direct(chat, sampler, argparse.Namespace(**{**vars(args), "sessions": 4, "turns": 1}))  # warm-up
+    settle_heap()  # as ``mixrl serve`` does once started, before every arm
     arms: list[tuple[str, Any]] = [("direct", _direct), ("endpoint", _endpoint)]
     if not args.no_openai:
         arms.append(("openai_client", functools.partial(_endpoint, kind="openai")))

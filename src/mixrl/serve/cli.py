@@ -80,7 +80,7 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
     from mixrl.fleet.weights import WeightStore
     from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
-    from mixrl.serve.app import make_app, server_options
+    from mixrl.serve.app import make_app, server_options, settle_heap
     from mixrl.serve.core import ServeCore
 
     async def make_replica(group: str, name: str) -> Any:
@@ -112,6 +112,7 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
+        settle_heap()  # start-up is over: the collector no longer walks its heap
         port = server.servers[0].sockets[0].getsockname()[1]
         names = ", ".join(f"{g.name} x{g.replicas}" for g in groups)
         print(f"mixrl serve: {args.model} on http://{args.host}:{port}/v1 (groups: {names}); Ctrl-C stops",

@@ -48,7 +48,7 @@ class InRunEndpoint:
             return ep
         import uvicorn
 
-        from mixrl.serve.app import loopback_socket, make_app, server_options
+        from mixrl.serve.app import loopback_socket, make_app, server_options, settle_heap
 
         routes: dict[str, Any] = {}
 
@@ -78,6 +78,7 @@ class InRunEndpoint:
             if task.done():
                 task.result()  # raises the start-up error
             await asyncio.sleep(0.01)
+        settle_heap()  # the run's start-up heap (modules, model, tokenizer) leaves the collector's walks
         ep = cls(core, "127.0.0.1", port, api_key, server, task)
         ep.routes = routes
         cls._instances[id(loop)] = ep
