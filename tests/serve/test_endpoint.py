@@ -218,23 +218,3 @@ def test_internal_error_is_an_openai_500_with_the_traceback_logged(tiny: Path, c
     assert "engine exploded" in caplog.text  # the traceback is in the log, not in the answer
     assert "engine exploded" not in resp.text
 
-
-def test_settle_heap_takes_the_start_up_heap_out_of_the_collectors_walks() -> None:
-    import gc
-
-    from mixrl.serve.app import settle_heap
-
-    class Node:
-        def __init__(self) -> None:
-            self.me = self  # a cycle: only the cyclic collector could free it
-
-    before = Node()
-    assert gc.is_tracked(before) and any(o is before for o in gc.get_objects())
-    settle_heap()
-    try:
-        assert gc.get_freeze_count() > 0
-        assert not any(o is before for o in gc.get_objects())  # frozen: no generation holds it
-        after = Node()
-        assert any(o is after for o in gc.get_objects())  # what serving allocates is collected as usual
-    finally:
-        gc.unfreeze()

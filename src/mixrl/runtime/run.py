@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.config.run import Derived, RunConfig, derive, to_toml
+from mixrl.runtime.heap import settled_heap
 
 
 def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
@@ -235,7 +236,8 @@ def train(
             await orch.setup()
             if hook is not None:
                 await hook(orch)
-            summary = await orch.run()
+            with settled_heap():  # start-up is over: full collections no longer walk its heap
+                summary = await orch.run()
             if not summary["interrupted"]:
                 await orch.trainer.save_policy(str(run_dir / "policy"))
             summary["orchestrator"] = orch

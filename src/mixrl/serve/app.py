@@ -21,8 +21,6 @@ null, which JSON can carry.
 
 from __future__ import annotations
 
-import atexit
-import gc
 import hmac
 import logging
 import socket
@@ -126,23 +124,6 @@ def loopback_socket() -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     return sock
-
-
-def settle_heap() -> None:
-    """Once start-up is over: collect, then move every object alive now (modules, the
-    tokenizer, the fleet) out of the collector's generations (``gc.freeze``). The cyclic
-    collector then never walks that long-lived heap again; what it walks while serving
-    is the requests' own objects. Without it each full collection of the server's
-    process traversed the ~380,000 start-up objects (~0.3 s each under load, stalling
-    every request in flight); frozen, about 20,000 remain."""
-    gc.collect()
-    gc.freeze()
-    if not _settled:  # at exit the heap is ordinary again: cycles in it are collected, as without the freeze
-        atexit.register(gc.unfreeze)
-        _settled.append(True)
-
-
-_settled: list[bool] = []
 
 
 def server_options() -> dict[str, Any]:

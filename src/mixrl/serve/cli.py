@@ -80,7 +80,8 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
     from mixrl.fleet.weights import WeightStore
     from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
-    from mixrl.serve.app import make_app, server_options, settle_heap
+    from mixrl.runtime.heap import settle_heap
+    from mixrl.serve.app import make_app, server_options
     from mixrl.serve.core import ServeCore
 
     async def make_replica(group: str, name: str) -> Any:

@@ -48,7 +48,8 @@ class InRunEndpoint:
             return ep
         import uvicorn
 
-        from mixrl.serve.app import loopback_socket, make_app, server_options, settle_heap
+        from mixrl.runtime.heap import settle_heap
+        from mixrl.serve.app import loopback_socket, make_app, server_options
 
         routes: dict[str, Any] = {}
 

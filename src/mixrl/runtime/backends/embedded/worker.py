@@ -73,6 +73,9 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
         conn.send(("fatal", 0, traceback.format_exc()))
         conn.close()
         return
+    from mixrl.runtime.heap import settle_heap
+
+    settle_heap()  # full collections no longer walk torch's and the engine's start-up heap
     conn.send(("ready", 0, os.getpid()))
     asyncio.run(_serve(conn, sampler, quant_profile))
 
