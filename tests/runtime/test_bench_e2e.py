@@ -35,3 +35,20 @@ def test_bench_e2e_json(tiny_policy: Path, tmp_path: Path, capsys: pytest.Captur
         assert 0 < r["train_step_cpu_s"] <= r["train_step_s"] * 1.05 + 1e-3
         per = r["cpu_s_per_step"]
         assert per["orchestrator"] >= per["trainer"] > 0 and per["samplers"] > 0
+    ceil = res["cpu_ceiling"]
+    assert ceil["async"]["utilization"] > 0 and ceil["async_over_sync_cpu_ceiling"] > 0
+
+
+def test_cpu_ceiling_against_a_hand_computed_case() -> None:
+    """2 cores; sync: 10 steps in 4 s at 0.5 CPU s/step (utilization 0.625); async: 10 steps
+    in 2.5 s at 0.45 CPU s/step (0.9). Async's ceiling: 0.45 s of CPU per step over 2 cores
+    = 0.225 s/step, i.e. 4.4444 steps/s = 284.44 samples/s of 64; over sync's 160: 1.7778."""
+    sync = {"cpu_s_per_step": {"orchestrator": 0.2, "trainer": 0.15, "samplers": 0.3},
+            "elapsed_s": 4.0, "steps": 10, "samples_per_s": 640 / 4.0}
+    asyn = {"cpu_s_per_step": {"orchestrator": 0.25, "trainer": 0.15, "samplers": 0.2},
+            "elapsed_s": 2.5, "steps": 10, "samples_per_s": 640 / 2.5}
+    c = e2e.cpu_ceiling(sync, asyn, cores=2)
+    assert c["sync"]["utilization"] == pytest.approx(0.5 / (2 * 0.4), rel=1e-12)
+    assert c["async"]["utilization"] == pytest.approx(0.45 / (2 * 0.25), rel=1e-12)
+    assert c["async_ceiling_samples_per_s"] == pytest.approx(64 * 2 / 0.45, rel=1e-12)
+    assert c["async_over_sync_cpu_ceiling"] == pytest.approx((64 * 2 / 0.45) / 160, rel=1e-12)

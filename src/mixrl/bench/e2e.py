@@ -114,6 +114,31 @@ def _cpu(summary: dict[str, Any], recs: list[dict[str, Any]]) -> dict[str, Any]:
             "train_step_process_cpu_s": statistics.median(proc) if proc else None, "cpu_s_per_step": per}
 
 
+def cpu_ceiling(sync: dict[str, Any], asyn: dict[str, Any], cores: int | None = None) -> dict[str, Any]:
+    """What the machine's cores allow the async arm, from both arms' own CPU figures.
+
+    Each arm's CPU seconds per step (orchestrator process, trainer included, plus the
+    sampler workers) over ``cores`` x its wall seconds per step is its utilization of the
+    machine. The async arm cannot go faster than its CPU per step spread over every core:
+    ``async_ceiling_samples_per_s`` = its samples/s over its utilization, and
+    ``async_over_sync_cpu_ceiling`` that over the sync arm's samples/s. With the async arm
+    near utilization 1, async_over_sync can only grow by spending less CPU per step
+    (which speeds the sync arm's phases too) or with more cores."""
+    from mixrl.runtime.backends.embedded.slots import usable_cores
+
+    n = usable_cores() if cores is None else cores
+    out: dict[str, Any] = {"cores": n}
+    for name, arm in (("sync", sync), ("async", asyn)):
+        per = arm["cpu_s_per_step"]
+        cpu = (per.get("orchestrator") or 0.0) + (per.get("samplers") or 0.0)
+        wall = arm["elapsed_s"] / max(int(arm["steps"]), 1)
+        out[name] = {"cpu_s_per_step": cpu, "wall_s_per_step": wall, "utilization": cpu / (n * wall)}
+    ceiling = asyn["samples_per_s"] / out["async"]["utilization"]
+    out["async_ceiling_samples_per_s"] = ceiling
+    out["async_over_sync_cpu_ceiling"] = ceiling / sync["samples_per_s"]
+    return out
+
+
 def copy_time(model_path: str, repeats: int = 5) -> float:
     """Median time of a raw detached copy of the policy's state dict."""
     from mixrl.fleet.weights import copy_state_dict
@@ -309,6 +334,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     res["sync"], res["async"] = sync, asyn
     res["async_over_sync"] = asyn["samples_per_s"] / sync["samples_per_s"]
     res["trainer_idle_frac"] = asyn["trainer_idle_frac"]
+    res["cpu_ceiling"] = cpu_ceiling(sync, asyn)
     copy_s = copy_time(model_path)
     mixed = measure_publish(base, model_path, None)
     plain = measure_publish(base, model_path, ["b200-bf16"])
