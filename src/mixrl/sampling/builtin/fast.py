@@ -54,9 +54,12 @@ class FastPath:
         self.vocab = self.shape.vocab
         self.rope_len = max_context or self.max_positions
         self._pool = _Pool()
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the same for every weights load
 
     def build(self, state_dict: Any) -> qf.Weights:
-        return qf.build_weights(state_dict, self.shape, self.prec, self.rope_len, self.max_batch)
+        if self._rope is None:
+            self._rope = qf.rope_tables(self.shape, self.rope_len, self.prec.dtype)
+        return qf.build_weights(state_dict, self.shape, self.prec, self.rope_len, self.max_batch, self._rope)
 
     def begin(self, w: qf.Weights, ids: torch.Tensor, start: torch.Tensor, length: int) -> tuple[Any, torch.Tensor]:
         B, P = ids.shape

@@ -85,6 +85,23 @@ class PackedLinear:
         self.weight = None if self._packed is not None else weight.contiguous()
         self.kernel = "onednn" if self._packed is not None else "plain"
 
+    @classmethod
+    def fused(cls, parts: list[torch.Tensor], bias: torch.Tensor | None = None, batch_hint: int = 64) -> PackedLinear:
+        """One Linear over ``parts`` stacked along ``out`` (q, k, v: one GEMM). The result owns
+        its memory (the parts may be views of a mapped file or of the trainer's tensors): MKL's
+        ``[in, out]`` layout is one transposing copy of the stacked parts (a memcpy ``cat``
+        first when there are several: together faster than ``cat`` of transposed views)."""
+        if parts[0].dtype == torch.float32 and FP32_KERNEL == "mkl":
+            self = cls.__new__(cls)
+            self.bias, self._packed, self.weight, self.kernel = bias, None, None, "mkl"
+            stacked = parts[0] if len(parts) == 1 else torch.cat(parts)  # a contiguous copy: a plain memcpy
+            wt = stacked.t().contiguous()  # [in, sum(out)]: torch's blocked transpose
+            if wt.untyped_storage().data_ptr() == parts[0].untyped_storage().data_ptr():
+                wt = wt.clone()  # one row or column: already contiguous, still the caller's memory
+            self._wt = wt
+            return self
+        return cls(torch.cat(parts), bias, batch_hint)  # cat copies, even one part
+
     @property
     def packed(self) -> bool:
         return self.kernel != "plain"
@@ -142,9 +159,10 @@ class SwiGLU:
         self.inter = gate.shape[0]
         self.gate_up = self.gate = self.up = None
         if gate.dtype == torch.float32 and FP32_KERNEL == "mkl":
-            self.gate_up = PackedLinear(torch.cat([gate, up]), None, batch_hint)
+            self.gate_up = PackedLinear.fused([gate, up], None, batch_hint)
         else:  # oneDNN: the activation and the product ride in the GEMMs' epilogues
-            self.gate, self.up = PackedLinear(gate, None, batch_hint), PackedLinear(up, None, batch_hint)
+            self.gate = PackedLinear.fused([gate], None, batch_hint)
+            self.up = PackedLinear.fused([up], None, batch_hint)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:

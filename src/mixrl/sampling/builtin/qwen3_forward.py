@@ -115,21 +115,42 @@ def _clean(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return out
 
 
+def rope_tables(shape: Shape, rope_len: int, dt: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) for positions [0, rope_len): fp32 exactly as HF computes them (pos * inv_freq),
+    then cast like HF does; ``sin`` with its first half negated (see ``_rope``). They depend on
+    the architecture only, so a path computes them once, not per weights load."""
+    pos = torch.arange(rope_len, dtype=torch.float32)
+    freqs = pos[:, None] * shape.inv_freq[None, :]  # [P, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+    return ((emb.cos() * shape.rope_scale).to(dt),
+            (torch.cat([-freqs.sin(), freqs.sin()], dim=-1) * shape.rope_scale).to(dt))
+
+
 def build_weights(
-    state_dict: Mapping[str, Any], shape: Shape, prec: Precision, rope_len: int, batch_hint: int = 64
+    state_dict: Mapping[str, Any], shape: Shape, prec: Precision, rope_len: int, batch_hint: int = 64,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> Weights:
     """HF-named state dict -> quantized, fused, compute-dtype tensors (RoPE table for
-    positions [0, rope_len)). Raises KeyError naming a missing parameter."""
+    positions [0, rope_len), or ``rope`` = ``rope_tables(...)`` computed before). Raises
+    KeyError naming a missing parameter.
+
+    Every tensor of the result owns its memory (the trainer may update its tensors in place
+    while this version serves; a mapped version is read-only), in as few copies as the layout
+    allows: each is copied once, by the op that puts it in its final layout (fused GEMM weights:
+    one ``cat`` of the parts' transposed views; norm weights: one cast-copy)."""
     sd = _clean(state_dict)
     dt = prec.dtype
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str) -> torch.Tensor:  # the source tensor in fp32, possibly not a copy
         if name not in sd:
             raise KeyError(f"state_dict has no {name!r} (expected HF Qwen3 parameter names)")
-        # a copy: the trainer may update its tensors in place while this version serves
-        return sd[name].detach().to(torch.float32, copy=True)
+        t = sd[name].detach()
+        return t if t.dtype == torch.float32 else t.float()
 
-    def lin(name: str) -> torch.Tensor:  # a Linear weight: quantize in fp32, then cast
+    def own(name: str) -> torch.Tensor:  # a copy in the compute dtype
+        return get(name).to(dt, copy=True)
+
+    def lin(name: str) -> torch.Tensor:  # a Linear weight: quantize in fp32, then cast (the fused ops copy)
         return prec.weight(get(name)).to(dt)
 
     layers = []
@@ -139,20 +160,20 @@ def build_weights(
         b_qkv = b_o = None
         if shape.bias:
             b_qkv = torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]).to(dt)
-            b_o = get(a + "o_proj.bias").to(dt)
+            b_o = own(a + "o_proj.bias")
         layers.append(
             Layer(
-                ln1=get(p + "input_layernorm.weight").to(dt),
-                ln2=get(p + "post_attention_layernorm.weight").to(dt),
+                ln1=own(p + "input_layernorm.weight"),
+                ln2=own(p + "post_attention_layernorm.weight"),
                 # the attention scale rides on q's norm weight (RoPE is linear): no pass over scores
                 qk_norm=torch.cat([
                     (get(a + "q_norm.weight") * shape.head_dim**-0.5).expand(shape.heads, -1),
                     get(a + "k_norm.weight").expand(shape.kv_heads, -1),
                 ]).to(dt),  # fmt: skip
-                qkv=PackedLinear(torch.cat([lin(a + f"{n}_proj.weight") for n in "qkv"]), b_qkv, batch_hint),
-                o=PackedLinear(lin(a + "o_proj.weight"), b_o, batch_hint),
+                qkv=PackedLinear.fused([lin(a + f"{n}_proj.weight") for n in "qkv"], b_qkv, batch_hint),
+                o=PackedLinear.fused([lin(a + "o_proj.weight")], b_o, batch_hint),
                 mlp=SwiGLU(lin(p + "mlp.gate_proj.weight"), lin(p + "mlp.up_proj.weight"), batch_hint),
-                down=PackedLinear(lin(p + "mlp.down_proj.weight"), None, batch_hint),
+                down=PackedLinear.fused([lin(p + "mlp.down_proj.weight")], None, batch_hint),
             )
         )
     embed = get("model.embed_tokens.weight")
@@ -160,17 +181,14 @@ def build_weights(
     if not shape.tied and "lm_head.weight" not in sd:
         raise KeyError("state_dict has no 'lm_head.weight' and config.tie_word_embeddings is False")
     head = prec.weight(head) if prec.quantize_lm_head else head
-    # RoPE table in fp32 exactly as HF computes it (pos * inv_freq), then cast like HF does.
-    pos = torch.arange(rope_len, dtype=torch.float32)
-    freqs = pos[:, None] * shape.inv_freq[None, :]  # [P, D/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [P, D]
+    cos, sin = rope if rope is not None else rope_tables(shape, rope_len, dt)
     return Weights(
-        embed=embed.to(dt).contiguous(),
+        embed=embed.to(dt, copy=True).contiguous(),
         layers=layers,
-        norm=get("model.norm.weight").to(dt),
-        lm_head=PackedLinear(head.to(dt), None, batch_hint),
-        cos=(emb.cos() * shape.rope_scale).to(dt),
-        sin=(torch.cat([-freqs.sin(), freqs.sin()], dim=-1) * shape.rope_scale).to(dt),
+        norm=own("model.norm.weight"),
+        lm_head=PackedLinear.fused([head.to(dt)], None, batch_hint),
+        cos=cos,
+        sin=sin,
     )
 
 
