@@ -32,3 +32,34 @@ def test_every_dtype_and_layout_maps_back_bit_exact() -> None:
     assert sv._files[0].exists()  # a load holds it
     sv.release()
     assert not any(p.exists() for p in sv._files)
+
+
+def test_a_freed_version_is_renamed_at_once_and_unlinked_off_the_caller_thread(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import threading
+    import time
+    from pathlib import Path
+
+    unlinked: list[tuple[str, str]] = []
+    real = Path.unlink
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        unlinked.append((self.name, threading.current_thread().name))
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", unlink)
+    sv = SharedVersion.from_state_dict({"w": torch.randn(64, 64)})
+    path = sv._files[0]
+    sv.retire()
+    assert not path.exists()  # gone from its name at once: no new load can start from it
+    deadline = time.monotonic() + 10
+    while not unlinked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert unlinked == [(path.name + ".gone", "mixrl-shm-janitor")]  # freed by the background thread
+    assert not path.with_name(path.name + ".gone").exists()
+
+
+def test_map_manifest_views_are_contiguous_at_their_offsets() -> None:
+    sd = {"a": torch.arange(6, dtype=torch.int16).view(2, 3), "b": torch.randn(3, 1, 2), "c": torch.tensor(True)}
+    got = map_manifest(SharedVersion.from_state_dict(sd).manifest())
+    for k, want in sd.items():
+        assert got[k].is_contiguous() and got[k].stride() == want.stride() and torch.equal(got[k], want), k
