@@ -14,9 +14,11 @@ Weights: ``load_weights`` takes a ``SharedVersion`` (or a plain state dict,
 which it first writes to shared memory) and sends the worker only manifests;
 the worker maps the files. For a pre-quantized format, the first replica of
 that format to ask builds it (``SharedVersion.build_format_async``): its worker
-quantizes the mapped base version with the group's profile and writes the
-changed tensors into the format's file; every replica of the format waits for
-that, then maps the file. One quantization per (version, format), each in
+quantizes the mapped base version with the group's profile, writes the
+changed tensors into the format's file and loads them itself (one message: no
+round trip between the quantization and its own load); every other replica of
+the format waits for the file, then maps it. A format with no other live
+replica (``QuantizeSlots.members``) gets no file: nobody would map it. One quantization per (version, format), each in
 a worker process, so the formats of one version are built in parallel and never
 hold the trainer's interpreter; the backend's ``QuantizeSlots`` bounds how many
 run at once (one per core, the slowest format first).
@@ -79,6 +81,7 @@ class ProcessSampler(SamplerHandle):
         self.cpu_ready: float | None = None
         self._cpu_last: float | None = None
         self._exited = False
+        self._member = False  # counted in ``slots.members``
 
     # -- life cycle ------------------------------------------------------------------
     async def start(self, model_path: str, profile: Any, seed: int, threads: int, timeout: float = START_TIMEOUT_S,
@@ -102,6 +105,9 @@ class ProcessSampler(SamplerHandle):
         except BaseException:
             await self.close()
             raise
+        if self.slots is not None and self.fmt is not None and not self.dead:
+            self.slots.join(self.fmt)  # a live replica of its format (left when it is lost)
+            self._member = True
 
     def _read(self) -> None:
         while True:
@@ -159,6 +165,9 @@ class ProcessSampler(SamplerHandle):
 
     def _lost(self) -> None:
         self.dead = True
+        if self._member and self.slots is not None and self.fmt is not None:
+            self._member = False
+            self.slots.leave(self.fmt)
         err = ReplicaFailure(f"replica {self.name}: worker process {self.pid} exited")
         if self._ready is not None and not self._ready.done():
             self._ready.set_exception(RuntimeError(f"sampler worker {self.name} exited during start-up"))
@@ -183,6 +192,15 @@ class ProcessSampler(SamplerHandle):
             return await fut
         finally:
             self._pending.pop(rid, None)
+
+    def _expect(self) -> tuple[int, asyncio.Future[Any]]:
+        """(id, future) for a reply the worker sends without a message of its own (the load
+        that follows a ``quant``); failed like any call if the worker dies first."""
+        assert self._loop is not None
+        rid = next(self._ids)
+        fut = self._loop.create_future()
+        self._pending[rid] = fut
+        return rid, fut
 
     def _flush(self) -> None:
         msgs, self._outbox = self._outbox, []
@@ -221,18 +239,32 @@ class ProcessSampler(SamplerHandle):
         own = not isinstance(ref, SharedVersion)
         sv = SharedVersion.from_state_dict(ref) if own else ref
         sv.acquire()  # before any await: the store may evict (retire) this version meanwhile
+        loaded: asyncio.Future[Any] | None = None  # set when this worker quantizes: it then loads too
         try:
             man = sv.manifest()
             if self.fmt is not None:
                 fmt = self.fmt
 
                 async def produce(base: Any, path: Any) -> tuple[Any, float]:
+                    nonlocal loaded
                     async with self.slots.slot(fmt) if self.slots is not None else contextlib.nullcontext():
-                        man, secs = await self._call("quant", (base, str(path)))
+                        # the file is for the format's other replicas: none, none written
+                        shared = self.slots is None or self.slots.members.get(fmt, 0) > 1
+                        load_rid, loaded = self._expect()
+                        man, secs = await self._call("quant", (base, str(path) if shared else None, (load_rid, version)))
                     return man, secs
 
                 man = (await sv.build_format_async(self.fmt, produce))[0]
-            self.load_s.append(float(await self._call("load", (man, version))))
+            secs = await loaded if loaded is not None else await self._call("load", (man, version))
+            loaded = None
+            self.load_s.append(float(secs))
+        except BaseException:
+            if loaded is not None:  # the quantization failed (or this call was cancelled): its load with it
+                if loaded.done() and not loaded.cancelled():
+                    loaded.exception()  # retrieved, not logged
+                else:
+                    loaded.cancel()
+            raise
         finally:
             sv.release()
             if own:

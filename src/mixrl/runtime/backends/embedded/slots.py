@@ -39,6 +39,13 @@ class QuantizeSlots:
         self.cost: dict[str, float] = {}  # format -> seconds its last quantization held a slot
         self._waiting: list[tuple[float, int, asyncio.Future[None]]] = []  # (-cost, arrival, future)
         self._seq = itertools.count()
+        self.members: dict[str, int] = {}  # format -> live replicas of it (see ``ProcessSampler``)
+
+    def join(self, fmt: str) -> None:
+        self.members[fmt] = self.members.get(fmt, 0) + 1
+
+    def leave(self, fmt: str) -> None:
+        self.members[fmt] = max(0, self.members.get(fmt, 0) - 1)
 
     @contextlib.asynccontextmanager
     async def slot(self, fmt: str) -> AsyncIterator[None]:

@@ -14,6 +14,8 @@ messages from one duplex pipe:
     ("gen",  id, GenerationRequest)           ("ok",  id, GenerationResult)
     ("load", id, (manifest, version))         ("ok",  id, seconds the load took)
     ("quant", id, (base manifest, path))      ("ok",  id, (manifest of path, seconds))
+    ("quant", id, (base, path, (id2, version)))   the same, then ("ok", id2, seconds the load took);
+                                              path None: nothing written (manifest None)
     ("stats", id, None)                       ("ok",  id, {requests, prompt_tokens, gen_tokens,
                                                            joined_direct, prefills, steps, cpu_s})
     ("stop", 0, None)                         ("err", id, "ExcType: message")
@@ -29,7 +31,10 @@ message to the worker's asyncio loop; results go back from the loop. Weights
 arrive as a shared-memory manifest (``fleet.shared_weights``): mapped, not
 copied. ``quant`` makes this worker the one that quantizes a version into its
 group's format (``quant_profile``): it writes the changed tensors into ``path``,
-which every replica of the format (this one too) then maps. The worker exits when told to stop or when the pipe closes (the parent
+which every other replica of the format then maps. With ``(id2, version)`` it
+then loads that version itself, from the tensors it just quantized (no second
+message, no mapping of the file it wrote), replying to ``id2`` as a ``load``;
+its manifest leaves first, so the format's other replicas load meanwhile. The worker exits when told to stop or when the pipe closes (the parent
 died); an engine failure is reported per call as ``err`` and the parent turns
 it into ``ReplicaFailure``.
 """
@@ -113,7 +118,7 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
 
     def joined(msg: Any) -> bool:
         kind, rid, payload = msg
-        if kind == "load":
+        if kind == "load" or (kind == "quant" and len(payload) > 2 and payload[2] is not None):
             loads_sent[0] += 1
         if kind != "gen" or loads_sent[0] != loads_done[0] or not sampler.join_threadsafe(payload, rid, sink):
             return False
@@ -176,17 +181,42 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
                     loads_done[0] += 1
                 send(("ok", rid, time.perf_counter() - t0))
             elif kind == "quant":
-                base, path = payload
-                t0 = time.perf_counter()
-                man = await asyncio.to_thread(_quantize, map_manifest(base), path)  # generation goes on meanwhile
-                send(("ok", rid, (man, time.perf_counter() - t0)))
+                await quant(rid, *payload)
         except BaseException as e:  # noqa: BLE001 - every failure goes back to its caller
             send(("err", rid, f"{type(e).__name__}: {e}"))
 
+    async def quant(rid: int, base: Any, path: str | None, then: tuple[int, int] | None = None) -> None:
+        try:
+            t0 = time.perf_counter()
+            tensors = map_manifest(base)
+            # generation goes on meanwhile
+            man, changed = await asyncio.to_thread(_quantize, tensors, path)
+        except BaseException as e:
+            if then is not None:  # the load it was to be followed by fails with it
+                loads_done[0] += 1
+                send(("err", then[0], f"{type(e).__name__}: {e}"))
+            raise
+        send(("ok", rid, (man, time.perf_counter() - t0)))
+        if then is None:
+            return
+        flush()  # the manifest leaves now: the format's other replicas map it while this one loads
+        load_rid, version = then
+        tensors.update(changed)
+        t1 = time.perf_counter()
+        try:
+            await sampler.load_weights(tensors, version)
+        except BaseException as e:  # noqa: BLE001 - the quantization succeeded: only the load fails
+            send(("err", load_rid, f"{type(e).__name__}: {e}"))
+            return
+        finally:
+            loads_done[0] += 1
+        send(("ok", load_rid, time.perf_counter() - t1))
+
     quantize = None
 
-    def _quantize(tensors: dict[str, Any], path: str) -> Any:
-        """This format's quantization of one version; the manifest of the file it wrote."""
+    def _quantize(tensors: dict[str, Any], path: str | None) -> tuple[Any, dict[str, Any]]:
+        """This format's quantization of one version: (the manifest of the file it wrote,
+        or None when ``path`` is None: nothing written; the tensors it changed)."""
         nonlocal quantize
         if quantize is None:
             if quant_profile is None:
@@ -199,7 +229,9 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
             q = quantize(k, t)
             if q is not None:
                 changed[k] = q
-        return write_tensors(changed, Path(path)) if changed else {}
+        if path is None:  # no other replica of this format to read it
+            return None, changed
+        return (write_tensors(changed, Path(path)) if changed else {}), changed
 
     threading.Thread(target=reader, name="mixrl-worker-reader", daemon=True).start()
     tasks: set[asyncio.Task[None]] = set()
