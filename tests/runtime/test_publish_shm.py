@@ -63,3 +63,15 @@ def test_map_manifest_views_are_contiguous_at_their_offsets() -> None:
     got = map_manifest(SharedVersion.from_state_dict(sd).manifest())
     for k, want in sd.items():
         assert got[k].is_contiguous() and got[k].stride() == want.stride() and torch.equal(got[k], want), k
+
+
+def test_a_process_that_exits_without_cleanup_leaves_no_directory() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import torch\nfrom mixrl.fleet.shared_weights import SharedVersion\n"
+            "sv = SharedVersion.from_state_dict({'w': torch.ones(4)})\nprint(sv._files[0].parent)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    folder = Path(out.stdout.strip().splitlines()[-1])
+    assert folder.name.startswith("mixrl-w-") and not folder.exists()

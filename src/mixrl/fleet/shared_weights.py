@@ -30,6 +30,7 @@ so a replica that already mapped a version keeps reading it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import shutil
@@ -49,13 +50,21 @@ _COUNTER = iter(range(1 << 62))
 
 
 def shm_dir() -> Path:
-    """This process's private directory under /dev/shm (a temporary directory elsewhere)."""
+    """This process's private directory under /dev/shm (a temporary directory elsewhere),
+    removed when the interpreter exits (``/dev/shm`` is RAM: a process that never called
+    ``cleanup_dir`` would otherwise leave its last versions there until reboot)."""
     global _DIR
     with _DIR_LOCK:
         if _DIR is None or not _DIR.exists():
             root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
             _DIR = Path(tempfile.mkdtemp(prefix=f"mixrl-w-{os.getpid()}-", dir=root))
+            atexit.register(_remove_at_exit, _DIR, os.getpid())
         return _DIR
+
+
+def _remove_at_exit(path: Path, owner: int) -> None:
+    if os.getpid() == owner:  # not a forked child that inherited the handler
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def cleanup_dir() -> None:
