@@ -19,7 +19,9 @@ Each worker sets ``runtime.torch_threads`` torch threads. Replicas whose
 format can be pre-quantized (``formats.format_key``) run their engine with the
 weight format switched off and receive weights quantized once per version and
 format (by the first worker of that format, at most one quantizing per core,
-``slots``; thread replicas quantize here).
+``slots``; thread replicas quantize here). That worker loads what it quantized
+directly; the format's file in shared memory is written only when another live
+replica of the format will map it.
 
 Fault injection: ``kill(name)`` (a real SIGKILL of a worker process, or a
 thread replica marked dead) and ``corrupt(name, n)``.
