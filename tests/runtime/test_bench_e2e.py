@@ -24,6 +24,8 @@ def test_bench_e2e_json(tiny_policy: Path, tmp_path: Path, capsys: pytest.Captur
     # the floor at the workers' thread count, and the older definition side by side
     mixed = res["publish"]["mixed_fleet"]
     assert mixed["quantize_threads"]["worker"] == 1 and set(mixed["quantize_s"]) == set(mixed["formats"])
+    from mixrl.runtime.backends.embedded.slots import usable_cores
+    assert mixed["quantize_threads"]["default"] == usable_cores()  # torch's fresh-process count, not the runs' 1
     assert set(mixed["quantize_s_default_threads"]) == set(mixed["formats"]) and mixed["shm_copy_s"] > 0
     assert res["publish_floor_default_threads_s"] >= res["copy_s"] and res["publish_over_floor_default_threads"] > 0
     assert res["async_over_sync"] > 0 and 0 <= res["trainer_idle_frac"] <= 1

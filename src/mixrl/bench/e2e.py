@@ -217,8 +217,12 @@ def measure_publish(base: list[str], model_path: str, groups: list[str] | None, 
     # the floor's parts, measured alone: one copy of the version, one quantization per format
     import torch
 
+    from mixrl.runtime.backends.embedded.slots import usable_cores
+
     sd = model.state_dict()
-    default = torch.get_num_threads()
+    # torch's default count in a fresh process (one per core), not this process's current count:
+    # the runs above set it to runtime.torch_threads, as every run's orchestrator does
+    default, current = usable_cores(), torch.get_num_threads()
 
     def quantize_alone(threads: int) -> dict[str, float]:
         torch.set_num_threads(threads)
@@ -234,7 +238,7 @@ def measure_publish(base: list[str], model_path: str, groups: list[str] | None, 
                 qs[f] = statistics.median(ts)
             return qs
         finally:
-            torch.set_num_threads(default)
+            torch.set_num_threads(current)
 
     res["quantize_s"] = quantize_alone(cfg.runtime.torch_threads)  # as the quantizing worker runs it
     res["quantize_s_default_threads"] = quantize_alone(default)  # the older floor's figure
