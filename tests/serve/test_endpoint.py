@@ -217,4 +217,3 @@ def test_internal_error_is_an_openai_500_with_the_traceback_logged(tiny: Path, c
     assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error"
     assert "engine exploded" in caplog.text  # the traceback is in the log, not in the answer
     assert "engine exploded" not in resp.text
-

@@ -346,8 +346,8 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
 
     from mixrl.envs.chat import ChatFormat
     from mixrl.models.loading import resolve_model
-    from mixrl.sampling.batching import BatchingSampler
     from mixrl.runtime.heap import settle_heap
+    from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
 
     args = argparse.Namespace(**{**vars(args), "max_tokens": max_tokens})

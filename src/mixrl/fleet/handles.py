@@ -37,6 +37,7 @@ class SamplerHandle(abc.ABC):
         """Return if the replica is alive, raise ``ReplicaFailure`` if it is gone. Asked
         periodically of idle replicas too, so one that dies between requests fails over
         at once. Default: nothing to ask (a replica whose death its requests reveal)."""
+        return None
 
     @abc.abstractmethod
     async def close(self) -> None:

@@ -78,9 +78,9 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
 
     from mixrl.fleet.fleet import Fleet, GroupSpec
     from mixrl.fleet.weights import WeightStore
+    from mixrl.runtime.heap import settle_heap
     from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
-    from mixrl.runtime.heap import settle_heap
     from mixrl.serve.app import make_app, server_options
     from mixrl.serve.core import ServeCore
 

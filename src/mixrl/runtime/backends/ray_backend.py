@@ -3,41 +3,34 @@
 This module (with ``ray_auth``) is the only one that imports Ray. The orchestrator is the same as
 in-process; only the handles differ:
 
-- a sampler replica is an async actor holding an engine behind a
-  ``BatchingSampler`` (its own process);
-- the trainer is an actor; ``weights()`` returns an object reference to the
-  state dict *in the object store*: the trainer writes each version once and
-  every replica reads it from there (the driver never copies the weights);
-- quantization once per (version, format) (``FormatRefs``): for a format the
-  built-in engine can take pre-quantized (``embedded.formats.format_key``), the
-  first replica of the format to load a version quantizes it in its actor
-  (``quantize``, with the group's own weight hook); the result is one more
-  object, and every replica of the format loads base + that object, running its
-  engine with the weight format switched off (bit-identical to quantizing on
-  load);
-- or, with ``runtime.ray.weight_transport = "broadcast"``, no object store: the
-  trainer actor keeps its newest versions and sends each replica the one it asks
-  for over that replica's own two-rank process group (``fleet.broadcast``: NCCL
-  between GPUs, gloo otherwise); the replica's engine quantizes on load;
-- a dead actor (``ray.kill``, a crashed process) raises ``RayActorError``,
-  which the handle turns into ``ReplicaFailure`` so the fleet's failover path
-  takes over.
+- a sampler replica is an async actor holding an engine behind a ``BatchingSampler``;
+- the trainer is an actor; ``weights()`` returns an object reference to the state dict
+  *in the object store*: written once per version, read there by every replica (the
+  driver never copies the weights);
+- quantization once per (version, format) (``FormatRefs``): for a format the built-in
+  engine can take pre-quantized (``embedded.formats.format_key``), the first replica of
+  the format to load a version quantizes it in its actor (``quantize``, the group's own
+  weight hook) into one more object; every replica of the format loads base + that
+  object with its engine's weight format off (bit-identical to quantizing on load);
+- or, with ``runtime.ray.weight_transport = "broadcast"``, no object store: the trainer
+  actor sends each replica the version it asks for over that replica's own two-rank
+  process group (``fleet.broadcast``: NCCL between GPUs, gloo otherwise); replicas quantize on load;
+- a dead actor raises ``RayActorError``, which the handle turns into ``ReplicaFailure``
+  so the fleet's failover path takes over.
 
-Placement: every sampler replica and every trainer rank reserves real Ray
-resources (``num_cpus``, ``num_gpus``, ``memory`` from its fleet group or
-``[trainer]``) in a placement group, and a group that names an
-``accelerator_type`` also asks for Ray's ``accelerator_type:<name>`` resource,
-which only nodes of that hardware have (Ray sets it on GPU nodes; a simulated
-or CPU node declares it with ``ray start --resources``). So on a cluster of
-mixed nodes each group lands on its hardware, and a replica whose node is
-removed fails over like any dead replica. A new local cluster declares as many
-logical CPUs as the fleet needs at its largest (its cores are time-shared, as
-in the embedded backend).
+Placement: every sampler replica and trainer rank reserves real Ray resources
+(``num_cpus``, ``num_gpus``, ``memory`` from its fleet group or ``[trainer]``)
+in a placement group; a group that names an ``accelerator_type`` also asks for
+Ray's ``accelerator_type:<name>`` resource, which only nodes of that hardware
+have (Ray sets it on GPU nodes; others declare it with ``ray start --resources``).
+So each group lands on its hardware, and a replica whose node is removed fails
+over like any dead replica (the fleet's health watch pings idle ones). A new
+local cluster declares as many logical CPUs as the fleet needs at its largest.
 
-Authentication: every cluster runs with Ray's token authentication
-(``ray_auth``; mixrl never opts out). ``start`` joins ``runtime.ray.address``
-or ``$RAY_ADDRESS`` when set, its token checked first; without an address it
-starts a local cluster: token auth on, no dashboard, a private temporary directory.
+Authentication: every cluster runs with Ray's token authentication (``ray_auth``;
+mixrl never opts out). ``start`` joins ``runtime.ray.address`` or ``$RAY_ADDRESS``,
+its token checked first; else it starts a local cluster: token auth on, no
+dashboard, a private temporary directory.
 """
 
 from __future__ import annotations
