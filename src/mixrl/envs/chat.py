@@ -40,6 +40,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mixrl.envs.codec import Codec
+
 SENTINEL = "\ue000{}\ue001"  # private-use characters: no template or text contains them
 FILLER_USER, FILLER_REPLY = "\ue002", "\ue003"
 CONTENT_CACHE = 4096  # encoded message contents kept per chat format
@@ -61,6 +63,7 @@ class ChatFormat:
 
     def __init__(self, tokenizer: Any, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
+        self.codec = Codec(tokenizer)  # HF's encode/decode results, without its per-call wrapper
         self.template = chat_template or getattr(tokenizer, "chat_template", None)
         if not self.template:
             raise ChatTemplateError(
@@ -94,11 +97,11 @@ class ChatFormat:
     # -- text <-> ids -----------------------------------------------------------------
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` (trusted: special strings become special ids), no BOS/EOS."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.codec.encode(text)
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
         """Text of ``ids`` (role tokens kept unless ``skip_special``)."""
-        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special))
+        return self.codec.decode(ids, skip_special)
 
     # -- rendering --------------------------------------------------------------------
     def _render(self, messages: list[dict[str, Any]], gen: bool, tools: list[Any] | None = None) -> str:

@@ -24,7 +24,10 @@ from __future__ import annotations
 import functools
 import re
 import unicodedata
+from collections.abc import Callable
 from typing import Any
+
+from mixrl.envs.codec import Codec
 
 ROLE_MARKERS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>", "<|end|>")
 
@@ -53,19 +56,15 @@ def forbidden_ids(tokenizer: Any) -> frozenset[int]:
 
 
 @functools.lru_cache(maxsize=16)
-def _plan(tokenizer: Any) -> tuple[re.Pattern[str], frozenset[int]]:
+def _plan(tokenizer: Any) -> tuple[re.Pattern[str], frozenset[int], Callable[[str], list[int]]]:
     pattern = re.compile("|".join(re.escape(s) for s in special_strings(tokenizer)))
-    return pattern, forbidden_ids(tokenizer)
+    return pattern, forbidden_ids(tokenizer), Codec(tokenizer).encode  # the HF encode's ids, less wrapper
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)]
-
-
-def _chars(tokenizer: Any, text: str, bad: frozenset[int]) -> list[int]:
+def _chars(encode: Callable[[str], list[int]], text: str, bad: frozenset[int]) -> list[int]:
     out: list[int] = []
     for ch in text:
-        ids = _encode(tokenizer, ch)
+        ids = encode(ch)
         if not bad.intersection(ids):
             out += ids
     return out
@@ -74,24 +73,24 @@ def _chars(tokenizer: Any, text: str, bad: frozenset[int]) -> list[int]:
 def encode_untrusted(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` (no BOS/EOS) in which no special-token id appears."""
     try:
-        pattern, bad = _plan(tokenizer)
+        pattern, bad, encode = _plan(tokenizer)
     except TypeError:  # an unhashable tokenizer object: no cache
-        pattern, bad = _plan.__wrapped__(tokenizer)
+        pattern, bad, encode = _plan.__wrapped__(tokenizer)
     out: list[int] = []
     pos = 0
     for m in pattern.finditer(text):
         if m.start() > pos:
-            out += _safe_piece(tokenizer, text[pos:m.start()], bad)
-        out += _chars(tokenizer, m.group(0), bad)
+            out += _safe_piece(encode, text[pos:m.start()], bad)
+        out += _chars(encode, m.group(0), bad)
         pos = m.end()
     if pos < len(text):
-        out += _safe_piece(tokenizer, text[pos:], bad)
+        out += _safe_piece(encode, text[pos:], bad)
     return out
 
 
-def _safe_piece(tokenizer: Any, piece: str, bad: frozenset[int]) -> list[int]:
-    ids = _encode(tokenizer, piece)
-    return ids if not bad.intersection(ids) else _chars(tokenizer, piece, bad)
+def _safe_piece(encode: Callable[[str], list[int]], piece: str, bad: frozenset[int]) -> list[int]:
+    ids = encode(piece)
+    return ids if not bad.intersection(ids) else _chars(encode, piece, bad)
 
 
 # CSI (ESC [ ... final), OSC (ESC ] ... BEL or ESC \), other two-byte escapes.
