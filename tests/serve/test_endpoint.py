@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from pathlib import Path
 
 import httpx
@@ -217,3 +218,29 @@ def test_internal_error_is_an_openai_500_with_the_traceback_logged(tiny: Path, c
     assert resp.status_code == 500 and resp.json()["error"]["type"] == "server_error"
     assert "engine exploded" in caplog.text  # the traceback is in the log, not in the answer
     assert "engine exploded" not in resp.text
+
+
+def test_auto_record_is_the_head_at_top_p_1_and_the_support_below(tiny: Path) -> None:
+    from mixrl.serve.core import HEAD_K
+
+    core, tok = _core(tiny)
+    vocab = len(tok)
+    assert vocab > HEAD_K  # else the head would be the whole vocabulary and prove nothing
+
+    async def ask(session: str, top_p: float) -> None:
+        body = {"messages": [{"role": "user", "content": "2+3?"}], "max_tokens": 6, "top_p": top_p, "seed": 1}
+        await core.chat_completion(body, session)
+
+    async def both() -> None:  # one event loop: the sampler's batching task lives on it
+        await ask("full", 1.0)
+        await ask("nucleus", 0.5)
+
+    asyncio.run(both())
+    head, _ = core.sessions.finish("full")
+    support, _ = core.sessions.finish("nucleus")
+    sizes = [b - a for a, b in zip(head.cand_offsets, head.cand_offsets[1:], strict=False)]
+    assert head.cand_kind == "head" and sizes and all(s == HEAD_K for s in sizes)  # not the vocabulary
+    assert support.cand_kind == "support"
+    for a, b in zip(support.cand_offsets, support.cand_offsets[1:], strict=False):
+        assert 0 < b - a < vocab  # the nucleus, whose q sums to 1
+        assert abs(sum(math.exp(x) for x in support.cand_logprobs[a:b]) - 1) < 1e-5

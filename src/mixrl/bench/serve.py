@@ -108,7 +108,7 @@ def _summary(wall: float, lat: list[float], tokens: int) -> dict[str, float]:
 
 async def _direct(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[str, float]:
     from mixrl.sampling.base import GenerationRequest, SamplingParams
-
+    from mixrl.serve.core import record_for
     lat: list[float] = []
     tokens = 0
 
@@ -116,7 +116,8 @@ async def _direct(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[str
         nonlocal tokens
         ids = chat.prompt(f"What is {i} + {i + 1}?")
         for t in range(args.turns):
-            params = SamplingParams(max_new_tokens=args.max_tokens, stop_ids=chat.stop_ids, seed=i * 100 + t)
+            params = SamplingParams(max_new_tokens=args.max_tokens, stop_ids=chat.stop_ids, seed=i * 100 + t,
+                                    record=record_for(1.0))  # as the endpoint at top_p = 1
             t0 = time.perf_counter()
             res = await sampler.generate(GenerationRequest(list(ids), params, request_id=f"{i}/{t}"))
             lat.append(time.perf_counter() - t0)

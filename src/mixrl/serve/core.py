@@ -12,6 +12,10 @@ from). ``stop`` strings end a reply at the first token that completes one; the
 tokens kept are recorded, those after it are not. A session is named by the
 ``X-Session-ID`` header or the body's ``user`` field; a request without one is
 a session of its own.
+
+Candidates of q recorded with each token (``record``): ``"auto"`` (the default)
+records the whole top-p support when ``top_p < 1`` and the 64 most likely tokens
+at ``top_p = 1``, as a run does; an in-run endpoint passes the run's own choice.
 """
 
 from __future__ import annotations
@@ -37,6 +41,17 @@ Generate = Callable[[str, GenerationRequest], Awaitable[GenerationResult]]
 Adapt = Callable[[str, SamplingParams], SamplingParams]
 
 
+# candidates recorded per token at top_p = 1 ("auto"), as a run records them (``config.run.derive``)
+HEAD_K = 64
+
+
+def record_for(top_p: float) -> str:
+    """The ``record`` of ``"auto"``: the whole support under top-p truncation, else the
+    ``HEAD_K`` most likely tokens (the support at top_p = 1 is the whole vocabulary: 150k
+    candidates a token for a real model's tokenizer)."""
+    return "support" if top_p < 1 else f"head:{HEAD_K}"
+
+
 class ApiError(Exception):
     """An error answered as OpenAI does: ``{"error": {"message", "type", "param", "code"}}``."""
 
@@ -60,7 +75,7 @@ def _num(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -
 
 class ServeCore:
     def __init__(self, chat: ChatFormat, generate: Generate, *, model: str, max_total_tokens: int,
-                 default_max_tokens: int = 256, record: str = "support", tool_parser: str = "auto",
+                 default_max_tokens: int = 256, record: str = "auto", tool_parser: str = "auto",
                  adapt: Adapt | None = None) -> None:
         self.chat, self.generate, self.model = chat, generate, model
         self.adapt = adapt
@@ -101,7 +116,7 @@ class ServeCore:
         greedy = temperature == 0
         params = SamplingParams(temperature=1.0 if greedy else temperature, top_p=top_p, top_k=1 if greedy else 0,
                                 max_new_tokens=min(max_tokens, room), stop_ids=self.stop_ids,
-                                record=self.record, seed=None if seed is None else seed & 0xFFFFFFFF)
+                                record=record_for(top_p) if self.record == "auto" else self.record, seed=None if seed is None else seed & 0xFFFFFFFF)
         return params, n, stop
 
     def _cut(self, ids: list[int], stop: list[str]) -> tuple[list[int], str, bool]:
