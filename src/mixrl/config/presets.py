@@ -45,6 +45,9 @@ from mixrl.config.loss import (
     check_compatible,
 )
 
+# candidates of q recorded per token when sampling the full vocabulary (record "head:K")
+HEAD_K = 64
+
 SEED_TOP_P = 0.9  # the "+top-p" arms' nucleus
 SEED_MIS = MIS(lo=0.2, hi=5.0)  # the seed's MIS range
 
@@ -61,7 +64,7 @@ class Preset(BaseModel):
         default=1.0, gt=0.0, le=1.0, description="sampler nucleus; 1.0 = full vocabulary"
     )
     head_k: int = Field(
-        default=64, ge=1, le=4096, description="head size of q recorded for full-vocabulary SC"
+        default=HEAD_K, ge=1, le=4096, description="head size of q recorded for full-vocabulary SC"
     )
     # Reference arms of the study fix the numerics, not only the loss: ``mixrl compare``
     # replaces the fleet by one group of this profile (same replicas), the scheduling

@@ -31,6 +31,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mixrl.config.presets import HEAD_K
+
 
 class _Section(BaseModel):
     # Unknown keys are errors: a typo in a TOML file must not be silently ignored.
@@ -326,7 +328,7 @@ class Derived:
     max_inflight_prompts: int
 
 
-def derive(cfg: RunConfig, preset_top_p: float = 1.0, preset_head_k: int = 64) -> Derived:
+def derive(cfg: RunConfig, preset_top_p: float = 1.0, preset_head_k: int = HEAD_K) -> Derived:
     """Resolve ``top_p`` (explicit or the preset's), ``record`` and the in-flight bound."""
     top_p = cfg.rollout.top_p if cfg.rollout.top_p is not None else preset_top_p
     rec = cfg.rollout.record

@@ -56,20 +56,22 @@ class Codec:
 
     def direct(self) -> tuple[bool, bool]:
         """Whether encode and decode would go straight to the backend now."""
-        b, t = self._b, self.tokenizer
-        enc = (self._enc and b.truncation is None and b.padding is None
-               and b.encode_special_tokens == bool(getattr(t, "split_special_tokens", False)))
-        return enc, self._dec and not getattr(t, "clean_up_tokenization_spaces", False)
+        return self._encode_direct(), self._decode_direct()
+
+    def _encode_direct(self) -> bool:
+        b = self._b
+        return (self._enc and b.truncation is None and b.padding is None
+                and b.encode_special_tokens == bool(getattr(self.tokenizer, "split_special_tokens", False)))
+
+    def _decode_direct(self) -> bool:
+        return self._dec and not getattr(self.tokenizer, "clean_up_tokenization_spaces", False)
 
     def encode(self, text: str) -> list[int]:
-        b, t = self._b, self.tokenizer
-        if (self._enc and b.truncation is None and b.padding is None
-                and b.encode_special_tokens == bool(getattr(t, "split_special_tokens", False))):
-            return b.encode(text, add_special_tokens=False).ids
-        return list(t.encode(text, add_special_tokens=False))
+        if self._encode_direct():
+            return self._b.encode(text, add_special_tokens=False).ids
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int], skip_special: bool = False) -> str:
-        t = self.tokenizer
-        if self._dec and not getattr(t, "clean_up_tokenization_spaces", False):
+        if self._decode_direct():
             return self._b.decode(list(ids), skip_special_tokens=skip_special)
-        return str(t.decode(list(ids), skip_special_tokens=skip_special))
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special))

@@ -28,6 +28,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from mixrl.config.presets import HEAD_K  # what a run records at top_p = 1 (config.run.derive)
 from mixrl.envs.chat import ChatFormat
 from mixrl.rollout.session import _append_env
 from mixrl.rollout.types import Trajectory
@@ -39,10 +40,6 @@ Generate = Callable[[str, GenerationRequest], Awaitable[GenerationResult]]
 # (session, the request's parameters) -> the parameters really used (an in-run endpoint
 # imposes the run's temperature, top-p and candidate recording); recorded per result.
 Adapt = Callable[[str, SamplingParams], SamplingParams]
-
-
-# candidates recorded per token at top_p = 1 ("auto"), as a run records them (``config.run.derive``)
-HEAD_K = 64
 
 
 def record_for(top_p: float) -> str:
@@ -114,9 +111,10 @@ class ServeCore:
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ApiError(400, f"seed must be an integer, got {seed!r}", param="seed")
         greedy = temperature == 0
+        record = record_for(top_p) if self.record == "auto" else self.record
         params = SamplingParams(temperature=1.0 if greedy else temperature, top_p=top_p, top_k=1 if greedy else 0,
                                 max_new_tokens=min(max_tokens, room), stop_ids=self.stop_ids,
-                                record=record_for(top_p) if self.record == "auto" else self.record, seed=None if seed is None else seed & 0xFFFFFFFF)
+                                record=record, seed=None if seed is None else seed & 0xFFFFFFFF)
         return params, n, stop
 
     def _cut(self, ids: list[int], stop: list[str]) -> tuple[list[int], str, bool]:
