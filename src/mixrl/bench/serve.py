@@ -34,7 +34,8 @@ round's figures are kept (``runs``). ``endpoint_over_direct`` is the ratio of th
 median generated tokens per second (goal >= 0.8 at 64 concurrent sessions;
 ``pair_ratios``: each round's endpoint over that round's direct, and
 ``pair_ratio_median``, which a drift of the machine's speed during the run does
-not move). Requests carry the same seeds in every arm, so they sample the same
+not move, with ``pair_ratio_ci95``: its distribution-free 95% interval over the
+rounds, ``[lo, hi, coverage]``, ``null`` below 6 rounds). Requests carry the same seeds in every arm, so they sample the same
 tokens (``same_tokens``). Also reported: requests/s, p50/p99 latency, the CPU
 time of this process per arm (``serve_cpu_s``: over the timed load only, not the
 server's start or the clients' connections and warm-up),
@@ -65,6 +66,8 @@ import statistics
 import time
 from typing import Any
 
+from mixrl.bench.stats import load_summary, median_interval, round_medians
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="bundled",
@@ -85,25 +88,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="process", choices=("process", "thread"),
                         help="the replica as a sampler worker process (default, as in a run and mixrl serve) "
                              "or in this process")
-    parser.add_argument("--repeats", type=int, default=7, help="interleaved rounds of the arms (>= 1; default 7)")
+    parser.add_argument("--repeats", type=int, default=15,
+                        help="interleaved rounds of the arms (>= 1; default 15; >= 6 for a 95%% interval)")
     parser.add_argument("--no-openai", action="store_true", help="skip the openai_client arm")
     parser.add_argument("--client-in-process", action="store_true",
                         help="run the endpoint arm's client code in this process")
     parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: URL, run the client only
     parser.add_argument("--client-kind", default="lean", choices=("lean", "openai"), help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-
-
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return round(s[min(len(s) - 1, int(q * (len(s) - 1) + 0.5))] * 1e3, 1)
-
-
-def _summary(wall: float, lat: list[float], tokens: int) -> dict[str, float]:
-    return {"wall_s": round(wall, 3), "requests_per_s": round(len(lat) / wall, 2),
-            "tokens_per_s": round(tokens / wall, 1), "p50_ms": _pct(lat, 0.5), "p99_ms": _pct(lat, 0.99),
-            "mean_ms": round(statistics.fmean(lat) * 1e3, 1), "generated_tokens": tokens,
-            "mean_reply_tokens": round(tokens / len(lat), 1)}
 
 
 async def _direct(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[str, float]:
@@ -129,7 +121,7 @@ async def _direct(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[str
 
     t0 = time.perf_counter()
     await asyncio.gather(*(conversation(i) for i in range(args.sessions)))
-    return _summary(time.perf_counter() - t0, lat, tokens)
+    return load_summary(time.perf_counter() - t0, lat, tokens)
 
 
 async def _load(send: Any, args: argparse.Namespace, client: str) -> dict[str, Any]:
@@ -155,7 +147,7 @@ async def _load(send: Any, args: argparse.Namespace, client: str) -> dict[str, A
     await args.ready()
     cpu, t0 = time.process_time(), time.perf_counter()
     await asyncio.gather(*(conversation(i) for i in range(args.sessions)))
-    out: dict[str, Any] = _summary(time.perf_counter() - t0, lat, tokens)
+    out: dict[str, Any] = load_summary(time.perf_counter() - t0, lat, tokens)
     out["client_cpu_ms_per_request"] = round((time.process_time() - cpu) / len(lat) * 1e3, 2)
     out["client"] = client
     if asyncio.iscoroutine(done := args.report(out)):
@@ -388,7 +380,7 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
             runs[name].append(out)
     load.append(round(os.getloadavg()[0], 2))
     await sampler.close()
-    med = {name: _median(rs) for name, rs in runs.items()}
+    med = {name: round_medians(rs) for name, rs in runs.items()}
     direct, endpoint = med["direct"], med["endpoint"]
     n_req = args.sessions * args.turns
 
@@ -402,6 +394,8 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
         # each round's endpoint over the direct arm just before it, and their median: a machine
         # whose speed drifts during the run moves the medians of the arms apart, not these
         "pair_ratios": pairs, "pair_ratio_median": statistics.median(pairs),
+        # distribution-free interval of that median (order statistics, mixrl.bench.stats): [lo, hi, coverage]
+        "pair_ratio_ci95": median_interval(pairs),
         "server_cpu_ms_per_request": server_ms(endpoint),
         # the worker's CPU with requests over HTTP over its CPU on the direct arm's load
         "engine_cpu_over_direct": (round(endpoint["engine_cpu_s"] / direct["engine_cpu_s"], 3)
@@ -420,15 +414,6 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
                                 "client": runs["openai_client"][0]["client"],
                                 "server_cpu_ms_per_request": server_ms(o), **o}
     return {**res, **med, "runs": runs}
-
-
-def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each numeric figure's median over the rounds, with the range of tokens/s."""
-    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 3) for k, v in runs[0].items()
-                           if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    tps = [r["tokens_per_s"] for r in runs]
-    out["tokens_per_s_range"] = [min(tps), max(tps)]
-    return out
 
 
 def _weights(path: str) -> dict[str, Any]:
