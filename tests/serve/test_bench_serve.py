@@ -55,3 +55,5 @@ def test_arms_interleave_and_the_ratio_is_of_the_medians(capsys: pytest.CaptureF
 def test_bad_repeats_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = _run(capsys, "--repeats", "0", "--long-model", "none")
     assert code == 2 and "--repeats must be >= 1" in out
+    code, out = _run(capsys, "--long-repeats", "0")
+    assert code == 2 and "--long-repeats must be >= 1" in out

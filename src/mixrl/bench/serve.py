@@ -51,8 +51,8 @@ average before and after each workload. Two workloads, each stating its model an
   tokens, so per-request HTTP cost weighs most);
 - ``long_replies``: ``--long-model`` (default ``random:256x4``, a randomly
   initialised Qwen3 of hidden size 256 and 4 layers on the bundled tokenizer,
-  which rarely samples an end of turn) with ``--long-max-tokens`` (64);
-  ``--long-model none`` skips it.
+  which rarely samples an end of turn) with ``--long-max-tokens`` (64), over
+  ``--long-repeats`` rounds (9); ``--long-model none`` skips it.
 """
 
 from __future__ import annotations
@@ -85,11 +85,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-model", default="random:256x4",
                         help='second workload: "random:HIDDENxLAYERS", an HF directory, or "none"')
     parser.add_argument("--long-max-tokens", type=int, default=64, help="max_tokens of the second workload")
+    parser.add_argument("--long-repeats", type=int, default=9,
+                        help="rounds of the second workload (default 9: its arms are each ~20x longer)")
     parser.add_argument("--workers", default="process", choices=("process", "thread"),
                         help="the replica as a sampler worker process (default, as in a run and mixrl serve) "
                              "or in this process")
-    parser.add_argument("--repeats", type=int, default=15,
-                        help="interleaved rounds of the arms (>= 1; default 15; >= 6 for a 95%% interval)")
+    parser.add_argument("--repeats", type=int, default=45,
+                        help="interleaved rounds of the arms (>= 1; default 45; >= 6 for a 95%% interval)")
     parser.add_argument("--no-openai", action="store_true", help="skip the openai_client arm")
     parser.add_argument("--client-in-process", action="store_true",
                         help="run the endpoint arm's client code in this process")
@@ -332,7 +334,7 @@ def _random_model(spec: str, into: str) -> str:
     return into
 
 
-async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> dict[str, Any]:
+async def _workload(model: str, max_tokens: int, repeats: int, args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
     from transformers import AutoTokenizer
@@ -343,7 +345,7 @@ async def _workload(model: str, max_tokens: int, args: argparse.Namespace) -> di
     from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
 
-    args = argparse.Namespace(**{**vars(args), "max_tokens": max_tokens})
+    args = argparse.Namespace(**{**vars(args), "max_tokens": max_tokens, "repeats": repeats})
     with tempfile.TemporaryDirectory() as tmp:
         path = _random_model(model, tmp) if model.startswith("random:") else str(resolve_model(model))
         chat = ChatFormat(AutoTokenizer.from_pretrained(path))
@@ -428,9 +430,9 @@ def _weights(path: str) -> dict[str, Any]:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    res = await _workload(args.model, args.max_tokens, args)
+    res = await _workload(args.model, args.max_tokens, args.repeats, args)
     if args.long_model != "none":
-        res["long_replies"] = await _workload(args.long_model, args.long_max_tokens, args)
+        res["long_replies"] = await _workload(args.long_model, args.long_max_tokens, args.long_repeats, args)
     return res
 
 
@@ -447,7 +449,7 @@ def main(args: argparse.Namespace) -> int:
         args.ready, args.report = ready, lambda out: print(json.dumps(out), flush=True)
         _loop_runner()(_CLIENTS[args.client_kind](args.client, args))
         return 0
-    for name in ("sessions", "turns", "max_tokens", "long_max_tokens", "repeats"):
+    for name in ("sessions", "turns", "max_tokens", "long_max_tokens", "repeats", "long_repeats"):
         if getattr(args, name) < 1:
             print(f"mixrl bench serve: --{name.replace('_', '-')} must be >= 1", flush=True)
             return 2
