@@ -92,7 +92,9 @@ def table_bench() -> str:
     for path in sorted(ARTIFACTS.glob("bench_*.json")):
         art = json.loads(path.read_text())
         res = art["result"]
-        scalars = [f"{k} {_fmt(v)}" for k, v in res.items() if not isinstance(v, (dict, list))]
+        scalars = [f"{k} {_fmt(v)}" if not isinstance(v, list) else f"{k} [{_fmt(v[0])}, {_fmt(v[1])}]"
+                   for k, v in res.items()
+                   if not isinstance(v, (dict, list)) or (k.endswith("_ci95") and v)]  # [lo, hi, coverage]
         scalars += [f"{k}.{k2} {_fmt(v2)}" for k, v in res.items() if isinstance(v, dict)  # one level down
                     for k2, v2 in v.items() if k2 in ("median_ms", "tokens_per_s", "p50_ms", "p99_ms", "wall_s")]
         rows.append([f"`{art['command']}`", "; ".join(scalars), _machine(art["machine"])])

@@ -35,8 +35,8 @@ median generated tokens per second (goal >= 0.8 at 64 concurrent sessions;
 ``pair_ratios``: each round's endpoint over that round's direct, and
 ``pair_ratio_median``, which a drift of the machine's speed during the run does
 not move, with ``pair_ratio_ci95``: its distribution-free 95% interval over the
-rounds, ``[lo, hi, coverage]``, ``null`` below 6 rounds). Requests carry the same seeds in every arm, so they sample the same
-tokens (``same_tokens``). Also reported: requests/s, p50/p99 latency, the CPU
+rounds, ``[lo, hi, coverage]``, ``null`` below 6 rounds). Requests carry the
+same seeds in every arm, so they sample the same tokens (``same_tokens``). Also reported: requests/s, p50/p99 latency, the CPU
 time of this process per arm (``serve_cpu_s``: over the timed load only, not the
 server's start or the clients' connections and warm-up),
 the engine's prefills and decode steps and (worker process) its CPU

@@ -2,8 +2,8 @@
 
 ``median_interval(xs)`` is the distribution-free confidence interval of the
 median of ``xs``: with ``n`` independent rounds sorted ``x(1) <= ... <= x(n)``,
-the true median lies below ``x(j)`` exactly when at least ``j`` rounds fall below
-it, and each round does so with probability 1/2, so
+``x(j)`` lies above the true median exactly when fewer than ``j`` rounds fall
+below it, and each round does so with probability 1/2, so
 
     P(x(k) <= median <= x(n - k + 1)) >= 1 - 2 * P(Binomial(n, 1/2) <= k - 1)
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from typing import Any
 
 
 def median_coverage(n: int, k: int) -> float:
@@ -52,9 +53,9 @@ def load_summary(wall: float, lat: list[float], tokens: int) -> dict[str, float]
             "mean_reply_tokens": round(tokens / len(lat), 1)}
 
 
-def round_medians(runs: list[dict]) -> dict:
+def round_medians(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each numeric figure's median over the rounds, with the range of tokens/s."""
-    out: dict = {k: round(statistics.median(r[k] for r in runs), 3) for k, v in runs[0].items()
+    out: dict[str, Any] = {k: round(statistics.median(r[k] for r in runs), 3) for k, v in runs[0].items()
                  if isinstance(v, (int, float)) and not isinstance(v, bool)}
     tps = [r["tokens_per_s"] for r in runs]
     out["tokens_per_s_range"] = [min(tps), max(tps)]

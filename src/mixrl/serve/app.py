@@ -45,7 +45,7 @@ dumps, loads = orjson.dumps, orjson.loads
 log = logging.getLogger("mixrl.serve")
 
 
-def make_app(core: ServeCore, api_key: str | None = None) -> Any:
+def make_app(core: ServeCore, api_key: str | None = None) -> _Generation:
     """The ASGI app: the generation routes (``_Generation``) in front of a FastAPI app for the rest."""
     expected = f"Bearer {api_key}".encode() if api_key is not None else None
     app = FastAPI(title="mixrl", openapi_url=None, docs_url=None, redoc_url=None)
