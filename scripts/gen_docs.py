@@ -371,6 +371,17 @@ def api_pages() -> dict[str, str]:
     return pages
 
 
+PRECISION_LAG_EXAMPLE = """
+`mixrl report RUN_DIR` plots the precision and lag KL of every sampler group over the updates
+(`figures/precision_lag.png`, embedded in `report.html`). The demo, 12 async updates
+(`mixrl train --set runtime.steps=12 --no-eval`, then `mixrl report`): staleness-0 tokens are
+rare in an async run, so the precision line has few points, and lag dominates the plain
+`mismatch/` values.
+
+![precision vs lag KL per group, the demo](../figures/demo_precision_lag.png)
+"""
+
+
 def _paragraph(text: str, start: str) -> str:
     """The paragraph of ``text`` that begins with ``start``."""
     return next(p for p in text.split("\n\n") if p.startswith(start)).strip() + "\n"
@@ -392,7 +403,7 @@ def pages() -> dict[str, str]:
         "concepts/run.md": readme_page("concepts/run.md", "How a run works", "How a run works"),
         "concepts/metrics.md": corrections_page(
             "concepts/metrics.md", "Metrics reference", "10. Metrics",
-            "\n## Where they are written\n\n" + _paragraph(readme, "A run directory holds")),
+            "\n## Where they are written\n\n" + _paragraph(readme, "A run directory holds") + PRECISION_LAG_EXAMPLE),
         "concepts/guard-rails.md": corrections_page("concepts/guard-rails.md", "Guard rails", "12. Guard rails"),
         "results.md": results_page(),
         "reference/config/index.md": config_index(),
