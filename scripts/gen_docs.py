@@ -331,7 +331,7 @@ def precision_page() -> str:
             f"{p.get('kv_format', 'none')} | {p.get('compute_dtype', 'bfloat16')} | {p.get('accelerator')} | "
             f"{p.get('price_per_hour')} |" for n, p in profiles.items()]
     probe = readme_tables.table_probe()
-    return relink("\n".join([
+    return "\n".join([
         "# Precision profiles and the probe", "",
         "Each sampler group runs one precision profile: the format its weights are quantized to on load, "
         "its KV cache's format, the dtype its matmuls run in, its engine, and the price and throughput "
@@ -347,7 +347,7 @@ def precision_page() -> str:
         probe.replace("](docs/", "](../"), "",
         "In a training run the same split is recorded per group and step as `precision/*` (staleness-0 "
         "tokens) and `lag/*` (stale tokens); `mixrl report` plots both ([metrics](../concepts/metrics.md)).",
-    ]) + "\n", "guides/precision.md")
+    ]) + "\n"
 
 
 def results_page() -> str:
@@ -371,6 +371,21 @@ def api_pages() -> dict[str, str]:
     return pages
 
 
+INDEX_TAIL = """
+## Where to go
+
+- [Quickstart](quickstart.md): `make run`, `make test` and every command.
+- Guides: [your model](own_model.md), [your data and reward](guides/data.md),
+  [your environment](envs.md), [agents and verifiers](guides/agents.md),
+  [a Ray cluster](guides/ray.md), [vLLM](guides/vllm.md),
+  [precision profiles and the probe](guides/precision.md), [the study](study.md).
+- Concepts: [how a run works](concepts/run.md), [the corrections](corrections.md),
+  [metrics](concepts/metrics.md), [guard rails](concepts/guard-rails.md).
+- [Results](results.md) on 2 CPU cores, from the committed artifacts.
+- Reference: [configuration](reference/config/index.md) (every field),
+  [command line](reference/cli.md), [API](reference/api/index.md).
+"""
+
 PRECISION_LAG_EXAMPLE = """
 `mixrl report RUN_DIR` plots the precision and lag KL of every sampler group over the updates
 (`figures/precision_lag.png`, embedded in `report.html`). The demo, 12 async updates
@@ -392,8 +407,7 @@ def pages() -> dict[str, str]:
     readme = (ROOT / "README.md").read_text()
     intro = readme.split("\n## Quickstart", 1)[0]
     out = {
-        "index.md": relink(intro + "\nStart with the [quickstart](quickstart.md); every configuration field is in "
-                           "the [configuration reference](reference/config/index.md).\n", "index.md"),
+        "index.md": relink(intro, "index.md") + INDEX_TAIL,
         "quickstart.md": readme_page("quickstart.md", "Quickstart", "Quickstart", "Commands"),
         "guides/data.md": readme_page("guides/data.md", "Your data and reward", "Train on your data"),
         "guides/agents.md": readme_page("guides/agents.md", "Agents and verifiers", "Agents and verifiers environments"),

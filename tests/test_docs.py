@@ -165,6 +165,13 @@ def test_every_public_symbol_of_the_api_reference_has_a_docstring(gen) -> None:
     assert set(gen.API_MODULES) == {p[len("reference/api/"):-3] for p in gen.api_pages()} - {"index"}
 
 
+def test_site_links_of_generated_pages_stay_links(pages) -> None:
+    assert "](quickstart.md)" in pages["index.md"] and "](reference/config/index.md)" in pages["index.md"]
+    assert "](../reference/config/fleet.md)" in pages["guides/precision.md"]
+    assert "](../corrections.md)" in pages["concepts/metrics.md"]
+    assert "](artifacts/bench_e2e.json)" in pages["results.md"]
+
+
 def test_readme_links_become_site_links(gen) -> None:
     text = "see [docs/study.md](docs/study.md), [x](src/mixrl/x.py), [`y`](examples/y), [w](https://a.b)"
     out = gen.relink(text, "guides/data.md")
