@@ -87,7 +87,13 @@ def _type_name(t: Any) -> str:
     return getattr(t, "__name__", str(t))
 
 
-def _models(t: Any) -> list[BaseModel]:
+def _is_list(t: Any) -> bool:
+    """``list[...]``, also inside Optional or Annotated."""
+    return typing.get_origin(t) is list or any(_is_list(a) for a in typing.get_args(t)
+                                               if typing.get_origin(t) is not dict)
+
+
+def _models(t: Any) -> list[type[BaseModel]]:
     """The pydantic models inside an annotation (through Optional, list, unions)."""
     origin, args = typing.get_origin(t), typing.get_args(t)
     if isinstance(t, type) and issubclass(t, BaseModel):
@@ -147,7 +153,7 @@ def model_fields(model: type[BaseModel], prefix: str) -> list[FieldDoc]:
         out.append(FieldDoc(path, _type_name(f.annotation), _default(f), _bounds(f),
                             " ".join((f.description or "").split())))
         subs = _models(f.annotation)
-        listed = typing.get_origin(f.annotation) is list or "list[" in _type_name(f.annotation).split("|")[0]
+        listed = _is_list(f.annotation)
         for sub in subs:
             tag = sub.model_fields.get("type")
             variant = f"[type={tag.default}]" if len(subs) > 1 and tag is not None else ""

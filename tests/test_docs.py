@@ -84,7 +84,7 @@ def _cells(text: str) -> list[str]:
     return [c.strip() for c in [*cells, cur]]
 
 
-def test_configuration_reference_covers_every_field(pages) -> None:
+def test_configuration_reference_covers_every_field(gen, pages) -> None:
     from mixrl.config.loss import LossConfig
     from mixrl.config.run import RunConfig
     from mixrl.sampling.profiles import Profile
@@ -97,6 +97,7 @@ def test_configuration_reference_covers_every_field(pages) -> None:
     assert not expected - set(documented), f"undocumented: {sorted(expected - set(documented))}"
     assert not set(documented) - expected, f"documented but not a field: {sorted(set(documented) - expected)}"
     assert len(expected) > 150  # the whole tree, not one section
+    assert [fd.path for fd in gen.config_fields()] == list(documented)  # the generator's own list, in page order
 
 
 def test_each_field_row_states_type_default_bounds_description(pages) -> None:
