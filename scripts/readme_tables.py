@@ -7,7 +7,9 @@
 Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` in
 README.md and is made only from artifact files (``scripts/record.py`` and
 ``mixrl bench --save`` write them, with the command and the machine's facts):
-no figure in those tables is typed by hand. Standard library only.
+no figure in those tables is typed by hand. The benchmark table shows each
+benchmark's headline figures as ``mixrl.bench.headlines`` declares them, one row
+each, and links the full JSON. Standard library only.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "docs" / "artifacts"
+sys.path.insert(0, str(ROOT / "src"))
+
+from mixrl.bench import headlines  # noqa: E402 - standard library only, found through src/
 
 
 def _load(name: str) -> dict | None:
@@ -87,18 +92,47 @@ def table_data() -> str:
     return _table(["policy", "command", "pass@1", "95% interval", "rows x samples", "weights digest", "machine"], rows)
 
 
-def table_bench() -> str:
-    rows = []
+def machine_short(m: dict) -> str:
+    """Cores, whether the CPU has AVX-512 (the figures differ by integer factors), load."""
+    flags = m.get("cpu_flags") or []
+    isa = "AVX-512" if "avx512f" in flags else ("AVX2, no AVX-512" if "avx2" in flags else "no AVX2")
+    return f"{m.get('cores')} cores, {isa}, load {m.get('load_avg_1m')}"
+
+
+_OPS = {">=": "≥", "<=": "≤", "==": "="}
+
+
+def goal_cell(row: headlines.Row) -> str:
+    """The goal (with the figure it names, if any) and the machine's limit beside it."""
+    h, parts = row.headline, []
+    if h.op is not None and row.goal is not None:
+        goal = f"`{h.goal}` {_fmt(row.goal)}" if isinstance(h.goal, str) else _fmt(row.goal)
+        parts.append(f"{_OPS[h.op]} {goal}")
+    if row.limit is not None:
+        times = ""
+        if isinstance(row.value, int | float) and isinstance(row.limit, int | float) and row.limit:
+            times = f" (value = {row.value / row.limit:.2f}x it)"
+        parts.append(f"{h.limit_label} {_fmt(row.limit)}{times}")
+    return "; ".join(parts) or "—"
+
+
+def table_bench(link: str = "docs/artifacts/") -> str:
+    """One row per headline figure (``mixrl.bench.headlines``), each linking its full JSON."""
+    rows, commands = [], []
     for path in sorted(ARTIFACTS.glob("bench_*.json")):
         art = json.loads(path.read_text())
-        res = art["result"]
-        scalars = [f"{k} {_fmt(v)}" if not isinstance(v, list) else f"{k} [{_fmt(v[0])}, {_fmt(v[1])}]"
-                   for k, v in res.items()
-                   if not isinstance(v, (dict, list)) or (k.endswith("_ci95") and v)]  # [lo, hi, coverage]
-        scalars += [f"{k}.{k2} {_fmt(v2)}" for k, v in res.items() if isinstance(v, dict)  # one level down
-                    for k2, v2 in v.items() if k2 in ("median_ms", "tokens_per_s", "p50_ms", "p99_ms", "wall_s")]
-        rows.append([f"`{art['command']}`", "; ".join(scalars), _machine(art["machine"])])
-    return _table(["command", "result", "machine"], rows)
+        name = path.stem.removeprefix("bench_")
+        ref = f"[{name}]({link}{path.name})"
+        commands.append(f"- {ref}: `{art['command']}`")
+        for r in headlines.rows(name, art["result"]):
+            value = _fmt(r.value)
+            if isinstance(r.interval, list) and len(r.interval) >= 2:  # [lo, hi, coverage]
+                value += f" [{_fmt(r.interval[0])}, {_fmt(r.interval[1])}]"
+            met = "—" if r.met is None else ("yes" if r.met else "**no**")
+            rows.append([ref, f"{r.headline.label} (`{r.headline.key}`)", value, goal_cell(r), met,
+                         machine_short(art["machine"])])
+    table = _table(["benchmark", "figure", "value", "goal or limit", "met?", "machine"], rows)
+    return table + "\n\nFull results (every figure the command printed, with the machine's facts):\n\n" + "\n".join(commands)
 
 
 def table_probe() -> str:

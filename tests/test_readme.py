@@ -28,3 +28,72 @@ def test_a_changed_artifact_changes_the_table(tmp_path: Path) -> None:
         "result": {"pass@1": 0.123, "pass@4": 0.456, "k": 4, "n": 4, "n_tasks": 200, "weights_sha256": "ab" * 32}}))
     out = mod.render("x\n<!-- table:eval -->\nold\n<!-- /table:eval -->\ny")
     assert "0.123" in out and "0.456" in out and "old" not in out and out.startswith("x\n") and out.endswith("y")
+
+
+def _tables(tmp_path: Path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_tables", ROOT / "scripts" / "readme_tables.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.ARTIFACTS = tmp_path
+    return mod
+
+
+def _artifact(path: Path, command: str, result: dict, flags: list[str]) -> None:
+    import json
+
+    path.write_text(json.dumps({"command": command, "result": result,
+                                "machine": {"cores": 2, "cpu_flags": flags, "load_avg_1m": 0.5}}))
+
+
+def test_headline_rows_state_value_goal_limit_and_met(tmp_path: Path) -> None:
+    mod = _tables(tmp_path)
+    _artifact(tmp_path / "bench_e2e.json", "mixrl bench e2e --json",
+              {"async_over_sync": 1.2, "cpu_ceiling": {"async_over_sync_cpu_ceiling": 1.25},
+               "mixrl_over_trl": 2.5, "unrelated": 7}, ["avx2", "avx512f"])
+    _artifact(tmp_path / "bench_moe.json", "mixrl bench moe --json",
+              {"kl_replay": 0.02, "kl_no_replay": 0.01}, ["avx2"])
+    out = mod.table_bench()
+    rows = {line.split(" | ")[1]: line.split(" | ") for line in out.splitlines() if line.startswith("| [")}
+    ratio = rows["async over sync training, samples/s (`async_over_sync`)"]
+    assert ratio[2] == "1.2" and ratio[3] == "≥ 1.6; CPU ceiling 1.25 (value = 0.96x it)" and ratio[4] == "**no**"
+    assert ratio[5] == "2 cores, AVX-512, load 0.5 |"
+    assert rows["mixrl over TRL GRPOTrainer, steps/s (`mixrl_over_trl`)"][4] == "yes"
+    replay = next(v for k, v in rows.items() if "`kl_replay`" in k)  # a goal that is another key
+    assert replay[3] == "≤ `kl_no_replay` 0.01" and replay[4] == "**no**" and replay[5].startswith("2 cores, AVX2, no")
+    # keys the artifact lacks (trainer_idle_frac, publish_over_floor) are skipped, not errors
+    assert not any("trainer_idle_frac" in k for k in rows) and "unrelated" not in out
+    assert "[e2e](docs/artifacts/bench_e2e.json): `mixrl bench e2e --json`" in out
+
+
+def test_a_benchmark_without_declared_headlines_is_still_linked(tmp_path: Path) -> None:
+    mod = _tables(tmp_path)
+    _artifact(tmp_path / "bench_newthing.json", "mixrl bench newthing --json", {"x": 1.0}, [])
+    out = mod.table_bench()
+    assert "| [" not in out and "[newthing](docs/artifacts/bench_newthing.json)" in out
+
+
+def test_headline_evaluation_against_python_comparisons() -> None:
+    import itertools
+
+    from mixrl.bench.headlines import Headline, evaluate, meets
+
+    for v, g in itertools.product((0.5, 1.0, 1.5), (0.5, 1.0, 1.5)):
+        assert meets(v, ">=", g) is (v >= g) and meets(v, "<=", g) is (v <= g) and meets(v, "==", g) is (v == g)
+    assert meets("text", ">=", 1.0) is None and meets(True, "<=", 1.0) is None
+    h = Headline("a.b", "nested", ">=", "goal", limit="lim", interval="ci")
+    row = evaluate(h, {"a": {"b": 3}, "goal": 2, "lim": 4, "ci": [2.5, 3.5, 0.95]})
+    assert row is not None and (row.value, row.goal, row.limit, row.interval, row.met) == (3, 2, 4, [2.5, 3.5, 0.95], True)
+    assert evaluate(h, {"a": {}}) is None and evaluate(h, {"a": {"b": None}}) is None
+    assert evaluate(Headline("x", "no goal"), {"x": 1}).met is None
+    assert evaluate(h, {"a": {"b": 3}}).met is None  # its goal key missing: undecided, still shown
+
+
+def test_every_committed_benchmark_artifact_has_a_headline_row() -> None:
+    import json
+
+    from mixrl.bench.headlines import rows
+
+    for path in sorted((ROOT / "docs" / "artifacts").glob("bench_*.json")):
+        assert rows(path.stem.removeprefix("bench_"), json.loads(path.read_text())["result"]), path.name

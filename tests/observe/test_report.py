@@ -105,10 +105,10 @@ def test_report_has_every_arm_and_finding(tmp_path):
             assert f"{fleet}/{arm}" in md and f"{fleet}/{arm}" in html
     for n in ("1.", "2.", "3.", "4."):
         assert f"**{n}" in md
-    for fig in ("curves.png", "groups.png", "passk_cost.png", "timelines.png"):
+    for fig in ("curves.png", "groups.png", "passk_cost.png", "timelines.png", "precision_lag.png"):
         p = tmp_path / "figures" / fig
         assert p.exists() and p.stat().st_size > 10_000
-    assert html.count("data:image/png;base64,") == 4
+    assert html.count("data:image/png;base64,") == 5
     run = next(r for r in load_runs(tmp_path) if r.name == "mixed/grpo")
     assert run.config == {"loss": {"preset": "grpo"}}
     assert run.eval["pass@4"] == 0.6 and run.evals[0]["pass@4"] == 0.5

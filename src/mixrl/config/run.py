@@ -293,6 +293,7 @@ class RewardConfig(_Section):
         return self
 
     def specs(self) -> list[str]:
+        """The configured reward functions as a list of specs (``function`` or ``functions``)."""
         return [self.function] if self.function is not None else list(self.functions)
 
 
@@ -391,6 +392,7 @@ def apply_override(tree: dict[str, Any], assignment: str, defaults: dict[str, An
 
 
 def format_errors(err: ValidationError) -> str:
+    """A pydantic validation error as one line per field: ``dotted.path: message (got value)``."""
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "<root>"
@@ -425,6 +427,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
 
 
 def demo_config_path() -> Path:
+    """The bundled demo configuration (``mixrl/configs/demo.toml``)."""
     return Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 
 

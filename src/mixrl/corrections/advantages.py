@@ -24,6 +24,8 @@ from torch import Tensor
 
 
 class GroupAdvantages(NamedTuple):
+    """GRPO advantages per trajectory, which trajectories enter the loss, and the group statistics."""
+
     advantages: Tensor  # [S] float64-or-input dtype, 0 where not kept or no signal
     keep: Tensor  # [S] bool, False for infra-failed episodes
     stats: dict[str, float]

@@ -57,6 +57,7 @@ class Behaviour:
 
     @property
     def weight(self) -> Tensor:
+        """The final per-token weight: the token rule's weight times its sequence's factor."""
         return self.token_weight * self.seq_weight  # [N]
 
 

@@ -31,6 +31,8 @@ from mixrl.corrections.ratios import clamp_log, seq_mean
 
 @dataclass
 class ObjectiveInputs:
+    """What every base objective reads, per generated token (fields in the comments)."""
+
     logp: Tensor  # [N] log p_θ(y_t), carries grad, finite (0 at invalid positions)
     old_logp: Tensor  # [N] log p_old(y_t), detached, finite
     advantages: Tensor  # [N] A_t, detached, finite

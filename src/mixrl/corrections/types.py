@@ -20,6 +20,7 @@ _CAND_FLOAT = ("cand_trainer_logprobs", "cand_old_logprobs", "cand_sampler_logpr
 @dataclass
 class LossInputs:
     # N = generated (loss-masked) positions of the batch, flattened over trajectories
+    """Everything the loss reads, flattened over the batch's generated positions (shapes in the comments)."""
     trainer_logprobs: Tensor  # [N] log p_θ(y_t) (p̃ when support replay is on); carries grad
     old_logprobs: (
         Tensor  # [N] log p_old(y_t), no grad (== trainer_logprobs.detach() at 1 step/batch)
@@ -46,10 +47,12 @@ class LossInputs:
 
     @property
     def num_tokens(self) -> int:
+        """N: generated positions in the batch."""
         return int(self.trainer_logprobs.shape[0])
 
     @property
     def has_candidates(self) -> bool:
+        """Whether candidates of q (support or head) were recorded."""
         return self.cand_kind != "none"
 
     def validate(self) -> None:

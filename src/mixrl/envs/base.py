@@ -32,6 +32,8 @@ from typing import Any
 
 @dataclass
 class Task:
+    """One task instance: a stable id, its family and split, and the family's data (the dataset row)."""
+
     prompt_id: str  # unique and stable across runs (seeded generators)
     family: str  # e.g. "calc", "copy", "coding"
     split: str  # "train" | "heldout"
@@ -40,6 +42,8 @@ class Task:
 
 @dataclass
 class StepResult:
+    """What the environment returns after one generated turn (fields in the comments)."""
+
     tokens: list[int]  # appended after the generated turn (loss_mask 0)
     done: bool
     reward: float | None = None  # set when done (None for infra_failed)
@@ -112,6 +116,7 @@ class MessageEnv(Env):
 
     @property
     def row(self) -> dict[str, Any]:
+        """The task's dataset row (its columns, as the reward functions receive them)."""
         return self.task.data
 
     async def prompt(self) -> str | list[dict[str, str]]:
@@ -129,6 +134,7 @@ class MessageEnv(Env):
         return float(await self.rewards.score(reply, self._prompt, self.row))
 
     async def reset(self) -> list[int]:
+        """Start the episode: the prompt (or chat messages) rendered with the chat template, as token ids."""
         self.turns, self.transcript = 0, []
         self._prompt = await self.prompt()
         if isinstance(self._prompt, str):
@@ -140,6 +146,7 @@ class MessageEnv(Env):
         return ids + self.chat.assistant_header
 
     async def step(self, generated: list[int], finish_reason: str) -> StepResult:
+        """Decode one generated turn, answer it (``respond``) and return the tokens to append, or the end."""
         from mixrl.envs.rewards import RewardFailed
 
         close = [] if generated and generated[-1] in self.chat.stop_ids else [self.chat.end_of_turn_id]

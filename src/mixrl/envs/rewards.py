@@ -52,6 +52,8 @@ def load_function(spec: str) -> Callable[..., Any]:
 
 @dataclass
 class RewardFunction:
+    """One user reward function, loaded from a spec, called with TRL's or verl's signature."""
+
     spec: str
     fn: Callable[..., Any]
     weight: float = 1.0
@@ -62,6 +64,7 @@ class RewardFunction:
 
     @classmethod
     def load(cls, spec: str, weight: float = 1.0) -> RewardFunction:
+        """Load ``spec`` (``file.py:name`` or ``module:name``) and detect its signature style."""
         fn = load_function(spec)
         sig = inspect.signature(fn)
         params = {n for n, p in sig.parameters.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
@@ -101,6 +104,7 @@ class RewardFunction:
         return kw if self.var_kw else {k: v for k, v in kw.items() if k in self.params}
 
     async def score(self, completion: str, prompt: Any, row: dict[str, Any]) -> float:
+        """The function's reward for one completion; raises ``RewardFailed`` on an exception or a non-finite value."""
         try:
             out = self.fn(**self._call_args(completion, prompt, row))
             if inspect.isawaitable(out):
@@ -136,14 +140,17 @@ class Rewards:
         return bool(self.functions)
 
     def check_columns(self, columns: list[str]) -> None:
+        """Refuse reward functions that ask for a column the dataset lacks."""
         for f in self.functions:
             f.check_columns(columns)
 
     async def score(self, completion: str, prompt: Any, row: dict[str, Any]) -> float:
+        """The weighted sum of every function's reward for one completion."""
         total = 0.0
         for f in self.functions:
             total += f.weight * await f.score(completion, prompt, row)
         return total
 
     def failures(self) -> dict[str, int]:
+        """Failed calls per function spec."""
         return {f.spec: f.failures for f in self.functions}

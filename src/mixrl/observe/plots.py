@@ -7,6 +7,10 @@
 ``timelines.png`` the seed's "one cell per turn" figure: a few sampled episodes per
                  arm, one row each, one cell per assistant reply (colour: reply length,
                  red: empty), the episode's ending status at the right
+``precision_lag.png`` per sampler group, over the updates: the KL of staleness-0 tokens
+                 (``precision/``: what the group's number formats cost) beside the KL of
+                 stale tokens (``lag/``: what asynchrony costs), one estimator for both
+                 (docs/corrections.md section 10)
 """
 
 from __future__ import annotations
@@ -200,6 +204,91 @@ def plot_timelines(runs: list[Run], out: Path, per_cell: int = 3) -> Path | None
     ax.set_title("sampled episodes: one cell per assistant reply\n(number: tokens; red: empty reply)", fontsize=9)
     fig.tight_layout()
     path = Path(out) / "timelines.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+SPLITS = (("precision", "precision: staleness-0 tokens (number formats)", "-"),
+          ("lag", "lag: stale tokens (asynchrony)", "--"))
+
+
+def split_estimator(run: Run) -> str:
+    """The KL estimator shown for both splits: exact where the run recorded it, else k3."""
+    exact = any(k.startswith(("precision/kl_exact", "lag/kl_exact")) for r in run.rows for k in r)
+    return "kl_exact" if exact else "kl_k3"
+
+
+def precision_lag_series(run: Run) -> dict[str, dict[str, tuple[list[int], list[float]]]]:
+    """Per sampler group, ``{"precision": (steps, values), "lag": (steps, values)}`` as recorded
+    (``<split>/<estimator>/<group>``); a run without per-group metrics gives its whole-batch
+    ``<split>/<estimator>`` under ``"all groups"``. Steps where a split had no tokens are absent."""
+    est = split_estimator(run)
+    groups = run.groups()
+    if not groups:
+        return {"all groups": {split: run.series(f"{split}/{est}") for split, _, _ in SPLITS}}
+    return {g: {split: run.series(f"{split}/{est}/{g}") for split, _, _ in SPLITS} for g in groups}
+
+
+def precision_lag_means(run: Run) -> list[dict[str, object]]:
+    """Per group: token-weighted means of each split's KL over the run (``<split>/tokens/<g>``
+    weights; 1 per step where the count is missing) and the tokens each split covered."""
+    est, out = split_estimator(run), []
+    for g, series in precision_lag_series(run).items():
+        row: dict[str, object] = {"group": g}
+        for split, _, _ in SPLITS:
+            suffix = "" if g == "all groups" else f"/{g}"
+            tokens = {int(r["step"]): float(r[f"{split}/tokens{suffix}"]) for r in run.rows
+                      if isinstance(r.get(f"{split}/tokens{suffix}"), int | float) and "step" in r}
+            xs, ys = series[split]
+            w = [tokens.get(x, 1.0) for x in xs]
+            row[f"{split} {est}"] = sum(wi * y for wi, y in zip(w, ys, strict=True)) / sum(w) if sum(w) else math.nan
+            row[f"{split} tokens"] = int(sum(tokens.values())) if tokens else "-"
+        out.append(row)
+    return out
+
+
+def precision_lag_figure(run: Run):  # -> matplotlib Figure
+    """One panel per sampler group: precision KL and lag KL over the updates, as recorded."""
+    plt = _plt()
+    series, est = precision_lag_series(run), split_estimator(run)
+    n = len(series)
+    cols = min(n, 4)
+    fig, axes = plt.subplots((n + cols - 1) // cols, cols, figsize=(4.6 * cols, 3.6 * ((n + cols - 1) // cols)),
+                             squeeze=False, sharey=True)
+    values = [y for s in series.values() for _, ys in s.values() for y in ys]
+    log = bool(values) and min(values) > 0
+    for ax, (g, s) in zip(axes.flat, series.items(), strict=False):
+        for (split, label, style), color in zip(SPLITS, ("tab:blue", "tab:red"), strict=True):
+            xs, ys = s[split]
+            if xs:
+                ax.plot(xs, ys, style, marker="o", ms=3, lw=1.3, color=color, label=label)
+        if not any(s[split][0] for split, _, _ in SPLITS):
+            ax.text(0.5, 0.5, "no tokens recorded", ha="center", transform=ax.transAxes)
+        ax.set_title(g)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if log:
+            ax.set_yscale("log")
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    axes.flat[0].set_ylabel(est.replace("_", " "))
+    handles = [h for ax in axes.flat for h in ax.get_legend_handles_labels()[0]][:2]
+    fig.legend(handles, [h.get_label() for h in handles], loc="lower center", ncol=2, fontsize=9)
+    fig.suptitle(f"{run.name}: sampler-trainer KL per group, precision vs lag ({est}; "
+                 "precision/ and lag/ metrics per update)")
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    return fig
+
+
+def plot_precision_lag(run: Run, out: Path) -> Path | None:
+    """``precision_lag.png`` of one run; None when it recorded neither split."""
+    series = precision_lag_series(run)
+    if not any(xs for s in series.values() for xs, _ in s.values()):
+        return None
+    plt = _plt()
+    fig = precision_lag_figure(run)
+    path = Path(out) / "precision_lag.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)
     return path

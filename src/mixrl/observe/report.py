@@ -16,7 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.observe.findings import COST_SOURCE, Finding, cell_table, hard_set, judge, summarize
-from mixrl.observe.plots import plot_curves, plot_groups, plot_passk_cost, plot_timelines
+from mixrl.observe.plots import (
+    plot_curves,
+    plot_groups,
+    plot_passk_cost,
+    plot_precision_lag,
+    plot_timelines,
+    precision_lag_means,
+)
 from mixrl.observe.runs import Run, load_runs
 
 COLUMNS = ("run", "steps", "reward_first", "reward_final", "pass@1", "pass@4", "kl", "kl_growth",
@@ -38,6 +45,18 @@ COLUMN_HELP = {
     "collapse_flags": "signals the collapse monitor raised (collapse.jsonl), or none",
     "cost": "sampling cost in USD, " + COST_SOURCE,
 }
+# One line under each figure.
+FIGURE_HELP = {
+    "curves": "training curves: one panel per metric, one line per run (moving average)",
+    "groups": "per sampler group: precision KL, and share of samples vs share of out-of-range tokens",
+    "passk_cost": "held-out pass@k against cumulative modelled sampling cost",
+    "timelines": "sampled episodes: one cell per assistant reply (number: tokens; red: empty reply)",
+    "precision_lag": "per sampler group, each update: precision KL (staleness-0 tokens: what the group's "
+                     "number formats cost) and lag KL (stale tokens: what asynchrony costs), the "
+                     "precision/ and lag/ values of metrics.jsonl",
+}
+PRECISION_LAG_HELP = ("Token-weighted means over the run: precision over staleness-0 tokens (the group's "
+                      "number formats), lag over stale tokens (asynchrony); docs/corrections.md section 10.")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +123,9 @@ def build(dir_: Path, k: int | None = None) -> dict[str, Any]:
     focus = _focus(runs)
     if focus is not None and (g := plot_groups(focus, figs_dir)) is not None:
         figures.append(g)
+    focus_pl = focus if focus is not None else runs[0]
+    if (pl := plot_precision_lag(focus_pl, figs_dir)) is not None:
+        figures.append(pl)
     figures.append(plot_passk_cost(runs, figs_dir, k))
     if (t := plot_timelines(runs, figs_dir)) is not None:
         figures.append(t)
@@ -113,7 +135,8 @@ def build(dir_: Path, k: int | None = None) -> dict[str, Any]:
     episodes = [(r.name, e) for r in runs for e in r.episodes[-4:]] if len(runs) == 1 else []
     return {"runs": runs, "rows": rows, "findings": findings, "figures": figures, "k": k,
             "evals": eval_rows(runs, k), "episodes": episodes, "cells": table,
-            "hard": len(hard_set(runs))}
+            "hard": len(hard_set(runs)),
+            "precision_lag": (focus_pl.name, precision_lag_means(focus_pl)) if pl is not None else None}
 
 
 def _focus(runs: list[Run]) -> Run | None:
@@ -166,8 +189,16 @@ def markdown(dir_: Path, rep: dict[str, Any], k: int) -> str:
         for f in rep["findings"]:
             lines.append(f"- **{f.title}: {f.verdict}.** {f.evidence}")
         lines.append("")
+    if rep["precision_lag"]:
+        name, prow = rep["precision_lag"]
+        pcols = list(prow[0])
+        lines += [f"## Precision vs lag KL per sampler group (`{name}`)", "", PRECISION_LAG_HELP, "",
+                  "| " + " | ".join(pcols) + " |", "|" + "---|" * len(pcols)]
+        lines += ["| " + " | ".join(_fmt(r.get(c, "")) for c in pcols) + " |" for r in prow]
+        lines.append("")
     lines += ["## Figures", ""]
-    lines += [f"![{p.stem}](figures/{p.name})" for p in rep["figures"]]
+    for p in rep["figures"]:
+        lines += [f"![{p.stem}](figures/{p.name})", "", f"*{p.stem}: {FIGURE_HELP.get(p.stem, '')}*", ""]
     lines += ["", "## Config (first run)", "", "```json", _config_text(rep["runs"]), "```", ""]
     return "\n".join(lines)
 
@@ -181,7 +212,8 @@ def render_html(dir_: Path, rep: dict[str, Any], k: int) -> str:
     finds = "".join(_finding_html(f) for f in rep["findings"])
     imgs = "".join(
         f'<figure><img alt="{p.stem}" src="data:image/png;base64,'
-        f'{base64.b64encode(p.read_bytes()).decode()}"/><figcaption>{p.stem}</figcaption></figure>'
+        f'{base64.b64encode(p.read_bytes()).decode()}"/><figcaption><b>{p.stem}</b>: '
+        f'{html.escape(FIGURE_HELP.get(p.stem, ""))}</figcaption></figure>'
         for p in rep["figures"])
     style = ("body{font-family:sans-serif;max-width:1400px;margin:auto;padding:1em}"
              "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:3px 8px}"
@@ -204,6 +236,15 @@ def render_html(dir_: Path, rep: dict[str, Any], k: int) -> str:
                  + "".join(f"<th>{html.escape(c)}</th>" for c in ecols) + "</tr>"
                  + "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c, '')))}</td>" for c in ecols) + "</tr>"
                            for r in rep["evals"]) + "</table>")
+    plag = ""
+    if rep["precision_lag"]:
+        name, prow = rep["precision_lag"]
+        pcols = list(prow[0])
+        plag = (f"<h2>Precision vs lag KL per sampler group ({html.escape(name)})</h2>"
+                f"<p>{html.escape(PRECISION_LAG_HELP)}</p><table><tr>"
+                + "".join(f"<th>{html.escape(c)}</th>" for c in pcols) + "</tr>"
+                + "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c, '')))}</td>" for c in pcols) + "</tr>"
+                          for r in prow) + "</table>")
     eps = "".join(
         f"<h3>step {e.get('step')}, {html.escape(str(e.get('prompt_id')))}: reward {e.get('reward')}, "
         f"status {html.escape(str(e.get('status')))}, {e.get('turns')} turn(s)</h3>"
@@ -217,7 +258,7 @@ def render_html(dir_: Path, rep: dict[str, Any], k: int) -> str:
             f"<p>Costs are modelled (tokens / profile throughput x list price).</p>" + cells + evals
             + (f"<h2>Sample episodes (prompt, replies with tool calls, reward)</h2>{eps}" if eps else "")
             + (f"<h2>The seed's findings</h2><ul>{finds}</ul>" if finds else "")
-            + f"<h2>Figures</h2>{imgs}<h2>Config</h2><pre>{html.escape(_config_text(rep['runs']))}"
+            + plag + f"<h2>Figures</h2>{imgs}<h2>Config</h2><pre>{html.escape(_config_text(rep['runs']))}"
             f"</pre></body></html>")
 
 

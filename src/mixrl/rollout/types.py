@@ -25,6 +25,8 @@ LOGPROB_TOL = 1e-6  # largest positive log-probability accepted as float roundin
 
 @dataclass
 class Trajectory:
+    """One whole episode, aligned per token: what crosses every process boundary (fields in the comments)."""
+
     prompt_id: str  # the task instance; G trajectories share it
     sample_idx: int  # 0..G-1 within its group
     tokens: list[int] = field(default_factory=list)  # [L] prompt + generated + tool tokens
@@ -49,6 +51,7 @@ class Trajectory:
 
     @property
     def num_generated(self) -> int:
+        """Tokens the model generated (the loss mask's ones)."""
         return sum(self.loss_mask)
 
     def validate(self) -> None:
@@ -78,8 +81,10 @@ class Trajectory:
             raise ValueError(f"Trajectory.status {self.status!r} is not one of {STATUSES}")
 
     def to_dict(self) -> dict[str, Any]:
+        """A plain dict of every field (JSON- and pickle-friendly)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        """The inverse of ``to_dict``."""
         return cls(**d)

@@ -54,6 +54,7 @@ def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
 
 
 def group_profiles(cfg: RunConfig) -> dict[str, Any]:
+    """Each fleet group's precision profile with its overrides applied; a bad one is a ``ConfigError``."""
     from mixrl.config.run import ConfigError
     from mixrl.sampling.profiles import get_profile, with_overrides
 
@@ -71,6 +72,7 @@ def group_profiles(cfg: RunConfig) -> dict[str, Any]:
 
 
 def make_backend(cfg: RunConfig, model_path: str, loss_cfg: Any) -> Any:
+    """The backend that makes the run's handles: Ray, or the embedded one."""
     if cfg.runtime.backend == "ray":
         from mixrl.runtime.backends.ray_backend import RayBackend
 

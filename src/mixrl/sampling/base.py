@@ -21,6 +21,8 @@ CandKind = Literal["support", "head", "none"]
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """How one request samples (validated on construction; fields in the comments)."""
+
     temperature: float = 1.0  # > 0
     top_p: float = 1.0  # in (0, 1]
     top_k: int = 0  # 0 = off
@@ -47,11 +49,14 @@ class SamplingParams:
 
     @property
     def head_k(self) -> int:
+        """K of ``record = "head:K"``; 0 otherwise."""
         return int(self.record[5:]) if self.record.startswith("head:") else 0
 
 
 @dataclass
 class GenerationRequest:
+    """One generation request: the whole prefix as token ids and its sampling parameters."""
+
     prompt_ids: list[int]  # the whole prefix (a partial rollout continues any prefix)
     params: SamplingParams
     request_id: str = ""
@@ -67,7 +72,7 @@ class GenerationResult:
       in ``cand_logprobs``: the whole support (``cand_kind == "support"``: every
       token that survived top-k/top-p; the log q there sum to 1 in prob space),
       or the k most likely tokens (``"head"``), or nothing (``"none"``);
-    - MoE models: ``routed_experts[j]`` [layers][k], the experts each layer routed the
+    - MoE models: ``routed_experts[j]`` ``[layers][k]``, the experts each layer routed the
       position whose logits drew token j to (None when the engine records none).
     """
 
@@ -124,13 +129,16 @@ class Sampler(abc.ABC):
 
     @property
     @abc.abstractmethod
-    def version(self) -> int: ...
+    def version(self) -> int:
+        """The weights version this replica serves."""
 
     @abc.abstractmethod
-    async def generate(self, request: GenerationRequest) -> GenerationResult: ...
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        """Generate one reply, recording per token log q, version and candidates."""
 
     @abc.abstractmethod
-    async def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None: ...
+    async def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
+        """Take the trainer's weights of ``version`` and quantize them on load."""
 
 
 class ReplicaFailure(RuntimeError):
