@@ -35,6 +35,7 @@ checks), ``failed`` (reward 0: the time limit, a full grading filesystem), or
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import random
@@ -57,8 +58,8 @@ from mixrl.envs.untrusted import strip_control
 RUNNER = Path(__file__).with_name("pytest_runner.py")
 ORACLE_CHILD = Path(__file__).with_name("oracle_child.py")
 GRADE_LIMITS = SandboxLimits(cpu_seconds=60, wall_seconds=120.0, output_bytes=2 << 20)
-GRADE_FLOOR_S = 10.0  # the least time a grading is given
-GRADE_FACTOR = 5.0  # times the reference solution's grading time
+GRADE_FLOOR_S = 5.0  # the least time a grading is given (a loaded host stretches a 0.1 s grading)
+GRADE_FACTOR = 10.0  # times the reference solution's grading time
 CALIBRATION_S = 120.0  # limit while a task's reference time is being measured
 CANARIES_PER_FILE = 3
 MAX_RESULTS_BYTES = 8 << 20
@@ -190,15 +191,21 @@ async def grade_patch(data: dict[str, Any], patch: str, limits: SandboxLimits | 
     need = required_tests(data)
     sb = await Sandbox.create(data["repo_dir"], limits or GRADE_LIMITS, pool="grading")
     try:
-        st = await asyncio.to_thread(_stage, sb, data, patch)
         clock = _Clock(limit)
+        try:
+            st = await asyncio.to_thread(_stage, sb, data, patch)
+        except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a patch too large for its grading filesystem
+                return GradeResult(0.0, failed=need, reason="disk", output=str(e))
+            raise SandboxError(f"grading: cannot stage the grader's files ({e})") from e
         if patch.strip():
             r = await clock.run(sb, "patch -p1 -E --batch --forward --no-backup-if-mismatch -s -i /grader/model.patch",
                                 [(st["patch"], "/grader/model.patch", False)])
             if (cut := _cut(r, need, clock)) is not None:
                 return cut
             if r.exit_code != 0:
-                return GradeResult(0.0, failed=need, reason="patch_failed", output=r.output[-2000:],
+                full = "No space left on device" in r.output  # the file was removed after the failed write
+                return GradeResult(0.0, failed=need, reason="disk" if full else "patch_failed", output=r.output[-2000:],
                                    seconds=clock.used)
         if sb.fs.full():  # the patch filled the grading filesystem: nothing can run there
             return GradeResult(0.0, failed=need, reason="disk", seconds=clock.used)
