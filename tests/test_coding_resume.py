@@ -7,10 +7,9 @@ import asyncio
 
 import pytest
 from sandbox_tables import needs_bwrap
-from test_coding_env import _task
 
 from mixrl.envs.chat import ChatFormat
-from mixrl.envs.coding import CodingEnv
+from mixrl.envs.coding import CodingEnv, bundled_tasks
 from mixrl.models.tokenizer import build_tokenizer
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.rollout.session import run_episode
@@ -57,7 +56,7 @@ def _after_first_tool_turn(full: Trajectory) -> Trajectory:
 
 def test_resumed_episode_with_random_tool_output_restarts():
     chat = ChatFormat(build_tokenizer())
-    task = _task()
+    task = next(t for t in sum(bundled_tasks(), ()) if t.data["instance_id"] == "textkit-truncate")
     fleet = ScriptedFleet(chat)
 
     async def gen(req: GenerationRequest) -> GenerationResult:

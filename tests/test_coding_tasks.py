@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from mixrl.envs.base import Task
+from mixrl.envs.coding import CodingEnv
 from mixrl.envs.coding import grade as grade_mod
 from mixrl.envs.coding.grade import grade_limit, grade_patch
 from mixrl.envs.coding.loader import ensure_hidden, load_tasks, read_instance, split_tasks
@@ -77,7 +79,7 @@ def test_reference_time_is_measured_when_not_recorded(monkeypatch):  # type: ign
     """A user task without ``reference_seconds``: its reference is graded once, timed."""
     data = dict(BY_ID["mathx-clamp"].data)
     del data["reference_seconds"]
-    monkeypatch.setattr(grade_mod, "_REFERENCE_S", {})
+    monkeypatch.setattr(grade_mod, "MEASURED_REFERENCE_S", {})
     calls = []
     real = grade_mod.grade_patch
 
@@ -92,9 +94,9 @@ def test_reference_time_is_measured_when_not_recorded(monkeypatch):  # type: ign
 
     first, second = asyncio.run(go())
     assert calls == [grade_mod.CALIBRATION_S]  # measured once, with the generous limit
-    assert first == second == max(grade_mod.GRADE_FLOOR_S, grade_mod.GRADE_FACTOR * next(iter(grade_mod._REFERENCE_S.values())))
+    assert first == second == max(grade_mod.GRADE_FLOOR_S, grade_mod.GRADE_FACTOR * next(iter(grade_mod.MEASURED_REFERENCE_S.values())))
     bad = dict(data, reference_patch="")  # a reference that does not pass cannot set a limit
-    monkeypatch.setattr(grade_mod, "_REFERENCE_S", {})
+    monkeypatch.setattr(grade_mod, "MEASURED_REFERENCE_S", {})
     with pytest.raises(grade_mod.SandboxError, match="reference patch does not pass"):
         asyncio.run(grade_mod.grade_limit(bad))
 
@@ -110,6 +112,8 @@ def test_hidden_assets_check():
     data = dict(BY_ID["mathx-clamp"].data, tests_dir="/usr/share/mixrl/tests")
     with pytest.raises(ValueError, match="tests_dir"):
         asyncio.run(grade_patch(data, ""))
+    with pytest.raises(ValueError, match="tests_dir"):  # an episode refuses to start
+        CodingEnv(Task("coding/x", "coding", "train", data), chat=None)  # type: ignore[arg-type]
 
 
 def test_instance_errors_name_the_field(tmp_path):  # type: ignore[no-untyped-def]

@@ -73,7 +73,7 @@ def test_admission_by_hand(small_host):  # type: ignore[no-untyped-def]
         await pool.acquire("episode", 60 * MIB)
 
     asyncio.run(cancelled())
-    assert not pool._queues["episode"] and pool.stats()["pool/episode_waits"] == 3
+    assert pool.queued("episode") == 0 and pool.stats()["pool/episode_waits"] == 3
 
 
 HUNGRY = ("python3 -c \"\nb = []\nwhile True:\n    b.append(bytearray(8 << 20))\n\"; "

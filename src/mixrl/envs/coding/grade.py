@@ -64,7 +64,7 @@ CALIBRATION_S = 120.0  # limit while a task's reference time is being measured
 CANARIES_PER_FILE = 3
 MAX_RESULTS_BYTES = 8 << 20
 MAX_KEPT_PATCH = 256 << 10  # a reward-hacking patch kept for inspection
-_REFERENCE_S: dict[str, float] = {}  # measured reference grading times (tasks without the field)
+MEASURED_REFERENCE_S: dict[str, float] = {}  # measured reference grading times (tasks without the field)
 
 
 @dataclass
@@ -148,13 +148,13 @@ async def reference_seconds(data: dict[str, Any]) -> float:
     if data.get("reference_seconds"):
         return float(data["reference_seconds"])
     key = f"{data.get('source_dir', '')}|{data['repo_dir']}"
-    if key not in _REFERENCE_S:
+    if key not in MEASURED_REFERENCE_S:
         g = await grade_patch(data, data["reference_patch"], timeout=CALIBRATION_S)
         if g.reward != 1.0:
             raise SandboxError(f"task {data.get('instance_id')!r}: its reference patch does not pass "
                                f"({g.reason or g.failed[:4]}); cannot set its grading time limit")
-        _REFERENCE_S[key] = g.seconds
-    return _REFERENCE_S[key]
+        MEASURED_REFERENCE_S[key] = g.seconds
+    return MEASURED_REFERENCE_S[key]
 
 
 async def grade_limit(data: dict[str, Any]) -> float:

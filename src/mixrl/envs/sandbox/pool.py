@@ -95,6 +95,11 @@ class MemoryPool:
             self.used[kind] -= n
             self.live[kind] -= 1
 
+    def queued(self, kind: str) -> int:
+        """Admissions of ``kind`` waiting now."""
+        with self._lock:
+            return len(self._queues[kind])
+
     def stats(self) -> dict[str, float]:
         """``pool/<kind>_waits``, ``pool/<kind>_wait_s``, ``pool/<kind>_live`` for logs and benches."""
         with self._lock:
