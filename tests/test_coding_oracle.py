@@ -115,5 +115,8 @@ def test_canaries_are_perturbed_copies(iid):  # type: ignore[no-untyped-def]
 
 
 def test_no_canary_without_a_literal_to_change():
-    src = "def test_a():\n    assert f()\n\ndef test_b():\n    assert not g(1)\n"
+    """Nothing to perturb (truth tests), or only asserts that might never run: no canary."""
+    src = ("def test_a():\n    assert f()\n\ndef test_b():\n    assert not g(1)\n\n"
+           "def test_c():\n    with pytest.raises(ValueError):\n        assert h(0) == 3\n\n"
+           "def test_d():\n    for x in []:\n        assert h(x) == 'y'\n")
     assert with_canaries(src, random.Random(0)) == (src, [])

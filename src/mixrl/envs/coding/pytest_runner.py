@@ -174,7 +174,7 @@ def restore_main(argv: list[str]) -> int:
     try:
         restore(tests_dir, pristine, test_files)
         strip_hooks()
-    except OSError as e:  # the model's tree resisted (a file where a directory belongs ...)
+    except (OSError, ValueError) as e:  # the model's tree resisted (a file where a directory belongs ...)
         print(f"{RESTORE_FAILED} {e}", flush=True)
         return 0
     print(RESTORED, flush=True)
