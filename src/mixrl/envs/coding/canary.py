@@ -3,7 +3,8 @@
     text, names = with_canaries(source, rng, per_file=3)
 
 Each canary is a copy of one of the file's own top-level ``test_*`` functions, renamed to
-a fresh name built from the words of the file's test names (``test_exact_text_is_cut``),
+a fresh name: a real one with a word or two swapped for other words of the file's test
+names, or one word more (``test_text_of_exact_width_is_kept`` -> ``test_text_of_long_width_is_kept``),
 with every expected value of its top-level ``assert x == <literal>`` checks perturbed (an
 assert nested in ``with pytest.raises``, a branch or a loop might never run): a string gets
 random letters inserted, a number a random offset, a list or tuple one more element, a
@@ -69,13 +70,24 @@ def _perturb_asserts(fn: ast.FunctionDef, rng: random.Random) -> int:
     return count
 
 
-def _name(words: list[str], taken: set[str], rng: random.Random) -> str:
+def _name(real: list[str], taken: set[str], rng: random.Random) -> str:
+    """A real test's name with one or two of its words swapped for other words of the file's
+    test names, or one word more (``test_text_of_exact_width_is_kept`` -> ``test_text_of_long_width_is_kept``), or one more."""
+    split = [n.split("_")[1:] for n in real]
+    vocab = sorted({w for ws in split for w in ws if w})
     for _ in range(1000):
-        k = rng.randint(2, min(4, len(words))) if len(words) >= 2 else 1
-        name = "test_" + "_".join(rng.sample(words, k))
+        words = list(rng.choice(split)) or ["case"]
+        if len(words) < 2 or rng.random() < 0.3:  # one word more
+            words.insert(rng.randint(0, len(words)), rng.choice(vocab or ["case"]))
+        else:
+            for i in rng.sample(range(len(words)), rng.randint(1, 2)):
+                others = [w for w in vocab if w != words[i]]
+                if others:
+                    words[i] = rng.choice(others)
+        name = "test_" + "_".join(words)
         if name not in taken:
             return name
-    return "test_" + "_".join(rng.choice(words) for _ in range(3)) + f"_{rng.randrange(10**6)}"
+    return "test_" + "_".join(rng.choice(vocab or ["case"]) for _ in range(3)) + f"_{rng.randrange(10**6)}"
 
 
 def with_canaries(source: str, rng: random.Random, per_file: int = 3) -> tuple[str, list[str]]:
@@ -83,7 +95,6 @@ def with_canaries(source: str, rng: random.Random, per_file: int = 3) -> tuple[s
     tree = ast.parse(source)
     tests = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
     taken = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    words = sorted({w for n in tests for w in n.name.split("_")[1:] if w})
     canaries: list[ast.FunctionDef] = []
     for src in rng.sample(tests, len(tests)):
         if len(canaries) >= per_file:
@@ -91,7 +102,7 @@ def with_canaries(source: str, rng: random.Random, per_file: int = 3) -> tuple[s
         fn = copy.deepcopy(src)
         if _perturb_asserts(fn, rng) == 0:
             continue
-        fn.name = _name(words or ["case"], taken, rng)
+        fn.name = _name([t.name for t in tests], taken, rng)
         taken.add(fn.name)
         canaries.append(fn)
     if not canaries:
