@@ -61,7 +61,7 @@ GRADE_LIMITS = SandboxLimits(cpu_seconds=60, wall_seconds=120.0, output_bytes=2 
 GRADE_FLOOR_S = 5.0  # the least time a grading is given (a loaded host stretches a 0.1 s grading)
 GRADE_FACTOR = 10.0  # times the reference solution's grading time
 CALIBRATION_S = 120.0  # limit while a task's reference time is being measured
-CANARIES_PER_FILE = 3
+CANARIES_PER_FILE = 64  # every test with a literal expectation gets a twin, up to this many
 MAX_RESULTS_BYTES = 8 << 20
 MAX_KEPT_PATCH = 256 << 10  # a reward-hacking patch kept for inspection
 MEASURED_REFERENCE_S: dict[str, float] = {}  # measured reference grading times (tasks without the field)
