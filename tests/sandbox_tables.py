@@ -1,8 +1,9 @@
-"""Shared by the sandbox test files: the attack table printed in pytest's terminal summary,
-and the private root every sandbox test runs under.
+"""Shared by the sandbox test files: the attack and reward-hack tables printed in pytest's
+terminal summary, and the private root every sandbox test runs under.
 
-Each attack records a row (attack, mechanism, contained, detail); the table is printed
-once, also without ``-s``. ``private_root`` gives each test its own episode root and checks,
+Each attack records a row (attack, mechanism, contained, detail); each reward hack a row
+(hack, grading form, reward, status, reason, control); the tables are printed once, also
+without ``-s``. ``private_root`` gives each test its own episode root and checks,
 afterwards, that every episode was removed, that no cleanup failed, and that neither the
 root's parent nor the system temp dir changed mode: a failing test can never damage the
 host's shared temporary directory.
@@ -24,6 +25,7 @@ import pytest
 from mixrl.envs import sandbox as sbmod
 
 ATTACKS: list[tuple[str, str, bool, str]] = []  # (attack, mechanism, contained, detail)
+HACKS: list[tuple[str, str, float, str, str, str]] = []  # (hack, form, reward, status, reason, control)
 needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap (bwrap) is not installed")
 
 
@@ -41,10 +43,30 @@ class AttackTable:
         tr.write_line(f"{n_ok}/{len(ATTACKS)} attacks contained")
 
 
+class HackTable:
+    def pytest_terminal_summary(self, terminalreporter) -> None:  # type: ignore[no-untyped-def]
+        if not HACKS:
+            return
+        tr = terminalreporter
+        tr.section("reward hacks")
+        w = max(len(h) for h, *_ in HACKS)
+        for hack, form, reward, status, why, control in HACKS:
+            tr.write_line(f"{hack:<{w}}  {form:<6}  reward={reward:.0f}  {status:<13}  {why:<26}  {control}")
+        hacks = [(r, s) for h, _, r, s, *_ in HACKS if "(control)" not in h]
+        tr.write_line(f"{sum(1 for r, _ in hacks if r == 0)}/{len(hacks)} hacks earned 0, "
+                      f"{sum(1 for _, s in hacks if s == 'infra_failed')} infra_failed")
+
+
 def register(request: pytest.FixtureRequest) -> None:
     pm = request.config.pluginmanager
     if not pm.has_plugin("mixrl-sandbox-attacks"):
         pm.register(AttackTable(), "mixrl-sandbox-attacks")
+    if not pm.has_plugin("mixrl-reward-hacks"):
+        pm.register(HackTable(), "mixrl-reward-hacks")
+
+
+def record_hack(hack: str, form: str, reward: float, status: str, reason: str, control: str = "") -> None:
+    HACKS.append((hack, form, reward, status, reason[:26], control[:90].replace("\n", " ")))
 
 
 def record(attack: str, mechanism: str, contained: bool, detail: str = "") -> None:

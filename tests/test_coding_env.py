@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -90,9 +91,12 @@ def chat() -> ChatFormat:
     return ChatFormat(build_tokenizer())
 
 
-def _task(iid: str = "textkit-truncate"):  # type: ignore[no-untyped-def]
+def _task(iid: str = "textkit-truncate", form: str = "oracle"):  # type: ignore[no-untyped-def]
     train, heldout = bundled_tasks()
-    return next(t for t in train + heldout if t.data["instance_id"] == iid)
+    t = next(t for t in train + heldout if t.data["instance_id"] == iid)
+    if form == "pytest":  # a user's SWE-style task: hidden pytest files, no oracle
+        t = dataclasses.replace(t, data={k: v for k, v in t.data.items() if k != "oracle"})
+    return t
 
 
 def scripted(chat: ChatFormat, replies: list[str]):  # type: ignore[no-untyped-def]
@@ -107,8 +111,8 @@ def scripted(chat: ChatFormat, replies: list[str]):  # type: ignore[no-untyped-d
     return generate
 
 
-def episode(chat: ChatFormat, replies: list[str], **cfg):  # type: ignore[no-untyped-def]
-    env = CodingEnv(_task(), chat, **cfg)
+def episode(chat: ChatFormat, replies: list[str], form: str = "oracle", **cfg):  # type: ignore[no-untyped-def]
+    env = CodingEnv(_task(form=form), chat, **cfg)
     traj = asyncio.run(run_episode(env, scripted(chat, replies), SamplingParams(max_new_tokens=1024),
                                    prompt_id="t", sample_idx=0, max_total_tokens=30_000))
     assert env.sandbox is None  # closed by the runner
@@ -163,6 +167,33 @@ def test_command_output_is_capped_and_killed(chat):  # type: ignore[no-untyped-d
     text = chat.decode(traj.tokens)
     assert "exit code 0 (output truncated)" in text and "99999" not in text
     assert "killed: wall-clock limit" in text
+
+
+FORGE = ("cat > textkit/__init__.py <<'EOF'\n"
+         "import _pytest.reports as R\n"
+         "orig = R.TestReport.from_item_and_call.__func__\n"
+         "def forged(cls, item, call):\n"
+         "    rep = orig(cls, item, call)\n"
+         "    rep.outcome, rep.longrepr = 'passed', None\n"
+         "    return rep\n"
+         "R.TestReport.from_item_and_call = classmethod(forged)\n"
+         "EOF")
+
+
+@needs_bwrap
+def test_grading_outcomes_are_episode_statuses(chat):  # type: ignore[no-untyped-def]
+    """Forged reports (pytest form): ``reward_hacked``, reward 0, the patch kept; a grading
+    that runs out of time: ``failed``, reward 0; both counted by status, never infra."""
+    traj, _ = episode(chat, [f"<bash>{FORGE}</bash>", "<submit/>"], form="pytest")
+    info = traj.info["env"][-1]
+    assert (traj.status, traj.reward, info["reason"]) == ("reward_hacked", 0.0, "reward_hacked")
+    assert "+R.TestReport.from_item_and_call = classmethod(forged)" in info["patch"]
+    traj, _ = episode(chat, [f"<bash>{FORGE}</bash>", "<submit/>"])  # the oracle form: nothing to forge
+    assert (traj.status, traj.reward) == ("ok", 0.0) and "patch" not in traj.info["env"][-1]
+    sleep = "printf 'import time\\ntime.sleep(600)\\n' > textkit/__init__.py"
+    traj, _ = episode(chat, [f"<bash>{FIX} && {sleep}</bash>", "<submit/>"])
+    assert (traj.status, traj.reward, traj.info["env"][-1]["reason"]) == ("failed", 0.0, "timeout")
+    assert 5.0 <= traj.info["env"][-1]["grade_s"] < 10
 
 
 def test_infra_failures_are_not_reward_0(chat, monkeypatch):  # type: ignore[no-untyped-def]
@@ -250,7 +281,7 @@ def test_logged_output_has_no_control_bytes(private_root):  # type: ignore[no-un
     for logs has none of them, the text around them stays."""
     from mixrl.envs.coding.grade import grade_patch
 
-    data = _task().data
+    data = {k: v for k, v in _task().data.items() if k != "oracle"}  # the pytest form logs pytest's output
     # a collection error: pytest prints the message (with its real control bytes)
     line = "raise RuntimeError('\\x1b[2J\\x1b]0;pwned\\x07LOUD\\r\\x08\\x9b' + 'TEXT')"
     patch = f"--- /dev/null\n+++ b/textkit/noise.py\n@@ -0,0 +1 @@\n+{line}\n"

@@ -61,14 +61,21 @@ def test_episode_memory_is_one_cgroup(repo):  # type: ignore[no-untyped-def]
 
 
 def test_32_episodes_total_memory_bounded(repo):  # type: ignore[no-untyped-def]
-    """32 episodes at once, each filling 48 MiB of its /dev/shm: 1.5 GiB asked, 512 MiB total."""
+    """32 episodes at once, each filling 48 MiB of its /dev/shm under its own 64 MiB cap, with
+    a 512 MiB parent (256 MiB of it for episodes): admission keeps the caps of the live ones
+    within the budget, so every episode keeps its file (none is starved by the others), the
+    rest wait (counted), and the parent's memory stays under its cap."""
+    from mixrl.envs.sandbox.pool import POOL
+
     cap = 512 * MiB
     old = sbmod.HOST.total_memory_bytes
     sbmod.configure(root=sbmod.HOST.root, total_memory_bytes=cap)  # a fresh parent cgroup with this cap
-    lim = SandboxLimits(cgroup_memory_bytes=256 * MiB, tmp_bytes=64 * MiB, file_size_bytes=64 * MiB)
+    lim = SandboxLimits(cgroup_memory_bytes=64 * MiB, tmp_bytes=64 * MiB, file_size_bytes=64 * MiB)
+    live = [0]
 
     async def one(i: int):  # type: ignore[no-untyped-def]
         sb = await Sandbox.create(repo, lim)
+        live[0] = max(live[0], POOL.live["episode"])
         try:
             return await sb.run("head -c 50000000 /dev/zero > /dev/shm/fill && sleep 1 && echo kept", timeout=30)
         finally:
@@ -78,13 +85,18 @@ def test_32_episodes_total_memory_bounded(repo):  # type: ignore[no-untyped-def]
         res = await asyncio.gather(*(one(i) for i in range(32)))
         return res, cgmod.hierarchy().memory_peak()
 
+    waits = POOL.waits["episode"]
     try:
+        budget = POOL.budgets()["episode"]
         res, peak = asyncio.run(go())
     finally:
         sbmod.configure(root=sbmod.HOST.root, total_memory_bytes=old)
     kept = sum(1 for r in res if "kept" in r.output)
-    record("32 concurrent episodes x 48 MiB", "parent cgroup memory cap 512 MiB", peak <= cap and kept < 32,
-           f"peak {peak / MiB:.0f} MiB of {cap / MiB:.0f}; {kept}/32 kept their file")
+    waited = POOL.waits["episode"] - waits
+    record("32 concurrent episodes x 48 MiB", f"admission: caps within {budget // MiB} of 512 MiB", peak <= cap
+           and kept == 32 and live[0] * 64 * MiB <= budget and waited > 0,
+           f"peak {peak / MiB:.0f} MiB of {cap / MiB:.0f}; {kept}/32 kept their file; {live[0]} live at most, "
+           f"{waited} waited")
 
 
 def test_pids_cap_is_per_episode(repo):  # type: ignore[no-untyped-def]

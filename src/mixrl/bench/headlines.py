@@ -95,6 +95,8 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
         Headline("episode.median_ms", "sandboxed episode start + run + close, median ms", "<=", "goal_ms",
                  limit="plain.median_ms", limit_label="plain subprocess"),
         Headline("concurrent.isolated", "concurrent episodes each see only their own files", "==", True),
+        Headline("grade.oracle_ratio", "oracle grading time over the previous pytest grader's"),
+        Headline("grade.pytest_ratio", "pytest-form grading (canaries, restore step) over the previous grader's"),
     ),
     "loss": (
         Headline("peak_ratio", "chunked over full-logits peak memory"),

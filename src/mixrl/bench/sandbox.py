@@ -12,7 +12,13 @@ Measures, on a bundled task's repository:
 - ``concurrent``: N episodes at once (create, write a file of its own, list
   the work dir, diff, close); ``isolated`` is true iff every episode saw
   exactly its own file and its diff held only its own edit;
-- ``grade`` (unless ``--no-grade``): one grading of the task's reference patch.
+- ``grade`` (unless ``--no-grade``): the grading overhead per episode, the reference
+  patch graded ``--grade-repeats`` times per arm, arms alternating within each round:
+  ``oracle`` (the bundled form: values judged outside the sandbox), ``pytest`` (the
+  pytest form: restore, canaries, runner) and, with ``--grade-baseline REV``, ``baseline``
+  (the grader of git revision REV, loaded from the repository beside the current one);
+  ``*_ratio`` are medians over the baseline's.
+- ``pool``: admissions that waited for memory budget (``mixrl.envs.sandbox.pool``).
 
 Medians and 90th percentiles over ``--repeats`` rounds, in milliseconds.
 """
@@ -21,11 +27,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 GOAL_MS = 50.0
@@ -38,6 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", default=None,
                         help="directory for the episodes' private copies (default: the system temp dir)")
     parser.add_argument("--no-grade", action="store_true", help="skip the grading measurement")
+    parser.add_argument("--grade-repeats", type=int, default=15, help="gradings per arm (>= 3)")
+    parser.add_argument("--grade-baseline", default=None, metavar="REV",
+                        help="also time the grader of this git revision (needs a git checkout)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -93,11 +106,65 @@ async def _concurrent(repo: str, n: int, root: str | None) -> dict[str, Any]:
             "command": _stats(cmd_times)}
 
 
-async def measure(repeats: int, concurrency: int, task: str, grade: bool, root: str | None = None) -> dict[str, Any]:
+def _baseline_grader(rev: str, tmp: str) -> Any:
+    """``grade_patch`` of git revision ``rev`` (its grade.py and pytest_runner.py, in ``tmp``)."""
+    here = Path(__file__).resolve().parent
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=here, capture_output=True, text=True)
+    if top.returncode != 0:
+        raise SystemExit(f"--grade-baseline needs a git checkout: {top.stderr.strip()}")
+    for name in ("grade.py", "pytest_runner.py"):
+        got = subprocess.run(["git", "show", f"{rev}:src/mixrl/envs/coding/{name}"], cwd=top.stdout.strip(),
+                             capture_output=True, text=True)
+        if got.returncode != 0:
+            raise SystemExit(f"--grade-baseline {rev!r}: {got.stderr.strip()}")
+        Path(tmp, name).write_text(got.stdout)
+        os.chmod(Path(tmp, name), 0o644)
+    os.chmod(tmp, 0o755)  # the sandbox uid reads the runner
+    spec = importlib.util.spec_from_file_location("mixrl_grade_baseline", Path(tmp, "grade.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod.grade_patch
+
+
+async def _grading(data: dict[str, Any], repeats: int, baseline: str | None) -> dict[str, Any]:
+    """The reference patch graded per arm, arms alternating (rotated) within each round."""
     from mixrl.envs.coding.grade import grade_patch
+
+    pytest_form = {k: v for k, v in data.items() if k != "oracle"}
+    with tempfile.TemporaryDirectory(prefix="mixrl-baseline-") as tmp:
+        arms: dict[str, Any] = {"oracle": lambda: grade_patch(data, data["reference_patch"]),
+                                "pytest": lambda: grade_patch(pytest_form, data["reference_patch"])}
+        if baseline:
+            old = _baseline_grader(baseline, tmp)
+            arms["baseline"] = lambda: old(pytest_form, data["reference_patch"])
+        names = list(arms)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for n in names:  # warm-up
+            await arms[n]()
+        for i in range(repeats):
+            for n in names[i % len(names):] + names[: i % len(names)]:
+                t = time.perf_counter()
+                g = await arms[n]()
+                times[n].append(time.perf_counter() - t)
+                if g.reward != 1.0:
+                    raise RuntimeError(f"grading arm {n}: the reference patch earned {g.reward} ({g.reason})")
+    out: dict[str, Any] = {n: _stats(v) for n, v in times.items()}
+    if baseline:
+        out["baseline_rev"] = baseline
+        for n in ("oracle", "pytest"):
+            out[f"{n}_ratio"] = round(statistics.median(times[n]) / statistics.median(times["baseline"]), 3)
+    out["repeats"] = repeats
+    return out
+
+
+async def measure(repeats: int, concurrency: int, task: str, grade: bool, root: str | None = None,
+                  grade_repeats: int = 15, baseline: str | None = None) -> dict[str, Any]:
     from mixrl.envs.coding.loader import load_tasks
     from mixrl.envs.sandbox import HOST, Sandbox
     from mixrl.envs.sandbox.cgroup import hierarchy
+    from mixrl.envs.sandbox.pool import POOL
     from mixrl.envs.sandbox.seccomp import program
 
     tree = hierarchy()
@@ -130,9 +197,9 @@ async def measure(repeats: int, concurrency: int, task: str, grade: bool, root: 
                    "memory_peak_mb": round(tree.memory_peak() / 2**20, 1), "memory_cap_mb": tree.memory_cap >> 20},
     }
     if grade:
-        t = time.perf_counter()
-        g = await grade_patch(data, data["reference_patch"])
-        out["grade"] = {"seconds": round(time.perf_counter() - t, 3), "reward": g.reward}
+        out["grade"] = await _grading(data, grade_repeats, baseline)
+    out["pool"] = POOL.stats()
+    out["load_avg_1m_end"] = os.getloadavg()[0]
     return out
 
 
@@ -141,7 +208,10 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit(f"--repeats must be >= 3, got {args.repeats}")
     if args.concurrency < 1:
         raise SystemExit(f"--concurrency must be >= 1, got {args.concurrency}")
-    res = asyncio.run(measure(args.repeats, args.concurrency, args.task, not args.no_grade, args.root))
+    if args.grade_repeats < 3:
+        raise SystemExit(f"--grade-repeats must be >= 3, got {args.grade_repeats}")
+    res = asyncio.run(measure(args.repeats, args.concurrency, args.task, not args.no_grade, args.root,
+                              args.grade_repeats, args.grade_baseline))
     if args.json:
         print(json.dumps(res))
         return 0
@@ -154,7 +224,11 @@ def main(args: argparse.Namespace) -> int:
           f"command median {c['command']['median_ms']:.1f} ms, p90 {c['command']['p90_ms']:.1f} ms")
     print(f"episode root {res['root']}, load average {res['load_avg_1m']:.1f} on {res['cpus']} CPUs")
     if "grade" in res:
-        print(f"grading (reference patch): {res['grade']['seconds']:.2f} s, reward {res['grade']['reward']}")
+        g = res["grade"]
+        for n in ("oracle", "pytest", "baseline"):
+            if n in g:
+                ratio = f"   {g[n + '_ratio']:.2f}x the baseline" if n + "_ratio" in g else ""
+                print(f"grading ({n:8s})      median {g[n]['median_ms']:7.1f} ms   p90 {g[n]['p90_ms']:7.1f} ms{ratio}")
     return 0
 
 

@@ -12,9 +12,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-Status = Literal["ok", "format_error", "max_turns", "truncated", "infra_failed", "reward_failed", "agent_failed"]
+Status = Literal["ok", "format_error", "max_turns", "truncated", "infra_failed", "reward_failed", "agent_failed",
+                 "failed", "reward_hacked"]
 STATUSES: tuple[str, ...] = ("ok", "format_error", "max_turns", "truncated", "infra_failed", "reward_failed",
-                             "agent_failed")
+                             "agent_failed", "failed", "reward_hacked")
+# "failed": the model's work could not be checked in its time or disk (reward 0);
+# "reward_hacked": a grader's canary was reported passed (reward 0, counted).
 # Episodes without a reward (reward None): an infrastructure failure, or a user
 # reward function that raised / returned NaN or None. Never reward 0: they are
 # left out of advantages and of the loss, and counted.

@@ -10,7 +10,9 @@ For checkpoints every session keeps a *shadow*: the turns it completed (the
 request prefix and the result). ``partials()`` turns the shadows into partial
 trajectories at turn granularity, which ``run_episode(resume=...)`` replays
 after a restart; a turn still being decoded at checkpoint time is decoded
-again after resume.
+again after resume. An environment whose replay gives other tokens than the
+record (tools with timings or random output) restarts the episode from its
+prompt: counted in ``resume_restarts`` and ``info["resume_restarted"]``.
 
 Per-request seeds are derived from (run seed, request id): sampling does not
 depend on which replica or batch serves a request, which makes sync runs
@@ -115,6 +117,7 @@ class Sessions:
         self.tasks: dict[str, asyncio.Task[None]] = {}  # session id -> asyncio task
         self.shadows: dict[str, _Shadow] = {}
         self.finished = 0  # sessions that delivered a trajectory
+        self.resume_restarts = 0  # resumed episodes restarted because the env's replay differed
         self.errors: list[BaseException] = []
 
     def issue(self, task: Task, resume: dict[int, Trajectory] | None = None, *, min_version: int = -1) -> None:
@@ -145,18 +148,16 @@ class Sessions:
             return res
 
         try:
-            env = self.make_env(task)
-            # An environment that drives its own episode (agent code sampling through the
-            # in-run endpoint) has ``run_episode``; every other one is stepped by the runner.
-            runner = getattr(env, "run_episode", None)
-            if runner is not None:
-                traj = await runner(generate, self.params, prompt_id=task.prompt_id, sample_idx=idx,
-                                    max_total_tokens=self.max_total_tokens, resume=resume)
-            else:
-                traj = await self._run_episode(
-                    env, generate, self.params, prompt_id=task.prompt_id, sample_idx=idx,
-                    max_total_tokens=self.max_total_tokens, resume=resume, chunk_tokens=self.chunk_tokens,
-                )
+            traj = await self._episode(task, idx, generate, resume)
+            if resume is not None and traj.status == "infra_failed" and str(traj.info.get("error", "")).startswith(
+                    "resume:"):
+                # The environment gave other tokens on replay (its tools need not be
+                # deterministic: timings, random output): the episode starts over from its
+                # prompt, counted, rather than being lost as an infrastructure failure.
+                self.resume_restarts += 1
+                shadow.base, shadow.turns = None, []
+                traj = await self._episode(task, idx, generate, None)
+                traj.info["resume_restarted"] = 1
             traj.info.pop("finish_reasons", None)
             completed = self.buffer.add(traj)
             self.finished += 1
@@ -172,6 +173,20 @@ class Sessions:
             self.fleet.end_session(sid)
             self.tasks.pop(sid, None)
             self.shadows.pop(sid, None)
+
+    async def _episode(self, task: Task, idx: int, generate: Callable[[GenerationRequest], Any],
+                       resume: Trajectory | None) -> Trajectory:
+        env = self.make_env(task)
+        # An environment that drives its own episode (agent code sampling through the
+        # in-run endpoint) has ``run_episode``; every other one is stepped by the runner.
+        runner = getattr(env, "run_episode", None)
+        if runner is not None:
+            return await runner(generate, self.params, prompt_id=task.prompt_id, sample_idx=idx,
+                                max_total_tokens=self.max_total_tokens, resume=resume)
+        return await self._run_episode(
+            env, generate, self.params, prompt_id=task.prompt_id, sample_idx=idx,
+            max_total_tokens=self.max_total_tokens, resume=resume, chunk_tokens=self.chunk_tokens,
+        )
 
     def inflight(self) -> int:
         return len(self.tasks)

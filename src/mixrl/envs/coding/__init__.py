@@ -1,7 +1,10 @@
 """Agentic coding: SWE-style bug fixes with a bash tool in a bubblewrap sandbox.
 
 - ``env.py``: ``CodingEnv`` (rules of an episode), ``tools.py``: tool-call parsing;
-- ``grade.py``: the diff applied to a fresh snapshot, test files restored, tests run;
+- ``grade.py``: the diff applied to a fresh snapshot and checked, in one of two forms:
+  ``oracle.py`` (values computed in the sandbox by ``oracle_child.py``, judged outside it;
+  every bundled task) or ``pytest_runner.py`` (hidden tests restored and run, with the
+  look-alike canary tests of ``canary.py``);
 - ``loader.py``: instances (``tasks/<id>/``), ``load_tasks``, ``split_tasks``;
 - ``mixrl.envs.sandbox``: the sandbox itself.
 
@@ -12,8 +15,9 @@ index ``i`` is the ``i``-th held-out instance.
 
 Adding a task: create ``tasks/<instance_id>/`` as described in ``loader.py``
 (every repository and test file with an extra ``.txt`` suffix), then run
-``pytest tests/test_coding_tasks.py``: it checks that the reference patch
-earns reward 1 and the untouched snapshot 0 with exactly FAIL_TO_PASS failing.
+``pytest tests/test_coding_tasks.py``: it checks, in both grading forms, that the
+reference patch earns reward 1 and the untouched snapshot 0 with exactly FAIL_TO_PASS
+failing, and that the reference grades well within its time limit.
 """
 
 from __future__ import annotations

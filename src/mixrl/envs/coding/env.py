@@ -12,8 +12,11 @@ Rules (the shared ones are in ``envs/turns.py``; call syntax in ``tools.py``):
 - the first tool call of a reply is taken; ``bash`` output (stdout and stderr,
   at most ``max_output_chars``, with the exit code and a note when cut or
   killed) comes back as a tool turn;
-- ``submit`` ends the episode with status ``ok``: the diff of /testbed is
-  graded in a new sandbox (``grade.py``), reward 1 or 0;
+- ``submit`` ends the episode: the diff of /testbed is graded in a new sandbox
+  (``grade.py``): status ``ok`` with reward 1 or 0; ``failed`` with reward 0 when the
+  grading ran out of its time limit or filled its filesystem; ``reward_hacked`` with
+  reward 0 when a canary test was reported passed (the patch is kept in
+  ``info["patch"]`` for inspection);
 - a malformed call gets ``error: <reason>`` as tool output and counts as
   malformed; a reply without any call gets a user reminder; three such
   replies in a row end with ``format_error``, ``max_turns`` replies without a
@@ -31,8 +34,9 @@ Rules (the shared ones are in ``envs/turns.py``; call syntax in ``tools.py``):
   runner records as ``infra_failed``.
 
 Resume replays the recorded commands into a fresh sandbox; commands whose
-output is not deterministic (timings, random) make the replay differ, which
-the runner reports as ``infra_failed``.
+output is not deterministic (timings, random) make the replay differ: the
+session then restarts the episode from its prompt (``runtime/sessions.py``,
+counted in ``info["resume_restarted"]``), never ``infra_failed``.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from typing import Any
 from mixrl.envs.base import Env, StepResult, Task
 from mixrl.envs.chat import ChatFormat
 from mixrl.envs.coding.grade import GradeResult, grade_sandbox
+from mixrl.envs.coding.loader import ensure_hidden
 from mixrl.envs.coding.tools import Malformed, parse_tool_call
 from mixrl.envs.sandbox import ExecResult, Sandbox, SandboxError, SandboxLimits
 from mixrl.envs.turns import TurnTracker
@@ -89,6 +94,7 @@ class CodingEnv(Env):
         for key in ("repo_dir", "tests_dir", "problem_statement", "test_command", "test_files", "FAIL_TO_PASS"):
             if key not in task.data:
                 raise ValueError(f"CodingEnv: task {task.prompt_id!r} has no data[{key!r}]")
+        ensure_hidden(task.data)
         self.task = task
         self.chat = chat
         self.tracker = TurnTracker(max_turns, max_no_tool)
@@ -112,8 +118,10 @@ class CodingEnv(Env):
         assert self.sandbox is not None
         g = await grade_sandbox(self.task.data, self.sandbox)
         self.last_grade = g
-        info.update(failed=g.failed[:8], reason=g.reason or info.get("reason", ""))
-        return StepResult(close, True, g.reward, status, info=info)
+        info.update(failed=g.failed[:8], reason=g.reason or info.get("reason", ""), grade_s=round(g.seconds, 3))
+        if g.status == "reward_hacked":
+            info["patch"] = g.patch
+        return StepResult(close, True, g.reward, status if g.status == "ok" else g.status, info=info)
 
     async def step(self, generated: list[int], finish_reason: str) -> StepResult:
         # A turn cut at the length limit gets its end-of-turn token from us (loss_mask 0).

@@ -4,10 +4,18 @@ One instance is a directory (the bundled ones live in ``tasks/``)::
 
     <instance_id>/
       instance.toml      instance_id, split, problem_statement, test_command,
-                         FAIL_TO_PASS, PASS_TO_PASS (pytest node ids), test_files
+                         FAIL_TO_PASS, PASS_TO_PASS (check ids), test_files, and
+                         reference_seconds (the reference's grading time; optional)
+      oracle.toml        optional: the checks in oracle form (``oracle.py``); the task
+                         is then graded by them, not by running test_files
       reference.patch    a unified diff (``-p1``, ``a/`` ``b/``) that solves it
       repo/              the repository snapshot, no version-control history
       test_files/        the test files restored at grading (paths as in test_files)
+
+Reference patches, oracles and hidden tests must stay invisible to the sandbox:
+``ensure_hidden`` refuses a task whose files lie under a path every sandbox mounts read
+only (``/usr``, the interpreter's prefix, pytest's packages) — mixrl installed under
+``/usr``, say. ``CodingEnv`` and the grader call it before anything runs.
 
 Every file under ``repo/`` and ``test_files/`` carries an extra ``.txt``
 suffix, stripped when the instance is materialized: the buggy code then ships
@@ -30,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.envs.base import Task
+from mixrl.envs.coding.oracle import parse_oracle
+from mixrl.envs.sandbox.runtime import visible_in_sandbox
 
 TASKS_DIR = Path(__file__).with_name("tasks")
 SUFFIX = ".txt"
@@ -80,11 +90,34 @@ def read_instance(d: Path) -> dict[str, Any]:
     ref = d / "reference.patch"
     if not ref.is_file():
         raise _fail(d, "missing reference.patch")
-    return {
+    ref_s = meta.get("reference_seconds")
+    if ref_s is not None and (isinstance(ref_s, bool) or not isinstance(ref_s, (int, float)) or not 0 < ref_s <= 600):
+        raise _fail(d, f"reference_seconds must be a number in (0, 600], got {ref_s!r}")
+    out = {
         "instance_id": meta["instance_id"], "split": split, "problem_statement": meta["problem_statement"],
         "test_command": meta["test_command"], "FAIL_TO_PASS": f2p, "PASS_TO_PASS": p2p,
         "test_files": test_files, "reference_patch": ref.read_text(), "source_dir": str(d),
     }
+    if ref_s is not None:
+        out["reference_seconds"] = float(ref_s)
+    if (d / "oracle.toml").is_file():
+        orc = parse_oracle(tomllib.loads((d / "oracle.toml").read_text()), f"coding task {d}: oracle.toml")
+        missing = set(f2p + p2p) - {c["test"] for c in orc["cases"]}
+        if missing:
+            raise _fail(d, f"oracle.toml has no case for {sorted(missing)[:4]}")
+        out["oracle"] = orc
+    return out
+
+
+def ensure_hidden(data: dict[str, Any]) -> None:
+    """Raise ``ValueError`` when the task's hidden files would be readable inside a sandbox."""
+    for key in ("source_dir", "tests_dir"):
+        p = data.get(key)
+        mount = visible_in_sandbox(p) if p else None
+        if mount is not None:
+            raise ValueError(f"coding task {data.get('instance_id')!r}: {key} {p} lies under {mount}, which every "
+                             "sandbox mounts read only, so the model could read the reference patch and the hidden "
+                             "checks; install mixrl (or put the tasks) outside it")
 
 
 def _copy_stripped(src: Path, dst: Path) -> None:

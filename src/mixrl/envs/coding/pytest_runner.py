@@ -1,28 +1,39 @@
 """The grading test runner; runs *inside* the grading sandbox as a script.
 
-    python3 -I /opt/grader/pytest_runner.py RESULTS_DIR TESTS_DIR PRISTINE_DIR TEST_FILE...
+    python3 -I /opt/grader/pytest_runner.py --restore TESTS_DIR PRISTINE_DIR TEST_FILE...
+    python3 -I /opt/grader/pytest_runner.py RESULTS_DIR TEST_FILE...
 
-Two processes. The parent never imports pytest or anything from ``/testbed``; it prepares
-the tree, starts the child, and alone writes the results:
+Two sandboxed commands. The first (``--restore``, nothing from ``/testbed`` is imported)
+sees the hidden test files and the pristine tree and prepares ``/testbed``:
 
-1. read the results file name from ``RESULTS_DIR/job.txt`` and delete it (the directory is
+1. restore every directory holding a task test file *whole* from ``PRISTINE_DIR`` (files
+   the model added there, a ``tests/__init__.py`` or a ``conftest.py``, are gone), then
+   the task's test files from ``TESTS_DIR`` over it (with the grader's canaries);
+2. remove every import-time hook from the tree: ``*.dist-info``/``*.egg-info`` (entry
+   points: a ``pytest11`` plugin), ``*.pth``, ``*.egg-link``, ``sitecustomize.py``,
+   ``usercustomize.py`` (walks are iterative: the tree came from the model's patch);
+   it prints ``RESTORED`` (or ``RESTORE_FAILED`` when the model's tree resisted).
+
+The second runs the tests in a new sandbox where ``TESTS_DIR`` and ``PRISTINE_DIR`` are
+not mounted. Two processes; the parent never imports pytest or anything from ``/testbed``:
+
+3. read the results file name from ``RESULTS_DIR/job.txt`` and delete it (the directory is
    not listable: nothing started later can find the name), write ``{"started": true}`` —
    a runner that never gets this far failed on our side — and make itself non-dumpable
    (its memory, fds and environment are then closed to the child, which has the same uid);
-2. restore every directory holding a task test file *whole* from ``PRISTINE_DIR`` (files
-   the model added there, a ``tests/__init__.py`` or a ``conftest.py``, are gone), then
-   the task's test files from ``TESTS_DIR`` over it;
-3. remove every import-time hook from the tree: ``*.dist-info``/``*.egg-info`` (entry
-   points: a ``pytest11`` plugin), ``*.pth``, ``*.egg-link``, ``sitecustomize.py``,
-   ``usercustomize.py`` (walks are iterative: the tree came from the model's patch);
 4. run the child: ``python3 -I`` with ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1``; it appends
    ``/testbed`` to ``sys.path`` (after the standard library and pytest), runs pytest with
    our own ini file in a fresh ``/tmp`` (no repository configuration is read),
    ``--noconftest``, no cache provider, ``--import-mode=append``, and streams each test
-   report to the parent over a pipe;
+   report to the parent over a pipe on a randomly numbered descriptor, named in an
+   environment variable the child removes before pytest starts (not in its argv);
 5. the parent folds the reports (a test counts as ``passed`` only when setup, call and
    teardown passed and it was not an xfail/xpass) and writes
    ``{"started": true, "exit": N, "tests": {nodeid: outcome}}``.
+
+The code under test runs in the child and can rewrite anything in it (its reports, the
+pipe): the grader's canaries (``canary.py``) catch a forged ``passed``; the oracle form
+(``oracle.py``) takes the verdict out of that process altogether.
 
 Imports nothing from mixrl: it runs on the bare interpreter of the sandbox.
 """
@@ -34,6 +45,8 @@ import ctypes
 import fnmatch
 import json
 import os
+import random
+import resource
 import shutil
 import stat
 import subprocess
@@ -44,6 +57,8 @@ TESTBED = "/testbed"
 PYSITE = "/opt/pysite"  # pytest, bound read only (-I ignores PYTHONPATH)
 HOOKS = ("*.dist-info", "*.egg-info", "*.pth", "*.egg-link", "sitecustomize.py", "usercustomize.py")
 MAX_REPORTS = 100_000
+FD_ENV = "MIXRL_GRADER_FD"
+RESTORED, RESTORE_FAILED = "@@mixrl-restored@@", "@@mixrl-restore-failed@@"
 
 
 def _write(path: str, obj: dict[str, Any]) -> None:
@@ -144,23 +159,45 @@ def _no_dump() -> None:
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
 
 
+def _free_fd(rng: random.SystemRandom, limit: int) -> int:
+    """A random descriptor number below ``limit`` that is not open here."""
+    while True:
+        fd = rng.randrange(10, max(11, limit))
+        try:
+            os.fstat(fd)
+        except OSError:
+            return fd
+
+
+def restore_main(argv: list[str]) -> int:
+    tests_dir, pristine, test_files = argv[0], argv[1], argv[2:]
+    try:
+        restore(tests_dir, pristine, test_files)
+        strip_hooks()
+    except (OSError, ValueError) as e:  # the model's tree resisted (a file where a directory belongs ...)
+        print(f"{RESTORE_FAILED} {e}", flush=True)
+        return 0
+    print(RESTORED, flush=True)
+    return 0
+
+
 def parent(argv: list[str]) -> int:
-    results_dir, tests_dir, pristine, test_files = argv[0], argv[1], argv[2], argv[3:]
+    results_dir, test_files = argv[0], argv[1:]
     job = os.path.join(results_dir, "job.txt")
     with open(job) as f:
         results = os.path.join(results_dir, os.path.basename(f.read().strip()))
     os.remove(job)
     _write(results, {"started": True})
     _no_dump()
-    try:
-        restore(tests_dir, pristine, test_files)
-        strip_hooks()
-    except OSError as e:  # the model's tree resisted (a file where a directory belongs ...)
-        _write(results, {"started": True, "error": f"restore: {e}"})
-        return 0
-    r, w = os.pipe()
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
-    child = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), "--child", str(w), *test_files],
+    r, w0 = os.pipe()
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    w = _free_fd(random.SystemRandom(), min(soft, 1 << 16))
+    os.dup2(w0, w, inheritable=True)
+    if w != w0:
+        os.close(w0)
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+           FD_ENV: str(w)}
+    child = subprocess.Popen([sys.executable, "-I", os.path.abspath(__file__), "--child", *test_files],
                              pass_fds=(w,), env=env, cwd=TESTBED, stdin=subprocess.DEVNULL)
     os.close(w)
     reports: list[dict[str, Any]] = []
@@ -202,9 +239,8 @@ class _Forward:
             self._send({"id": report.nodeid or "<collection>", "when": "collect", "outcome": "failed"})
 
 
-def child(argv: list[str]) -> int:
-    fd, test_files = int(argv[0]), argv[1:]
-    out = os.fdopen(fd, "w")
+def child(test_files: list[str]) -> int:
+    out = os.fdopen(int(os.environ.pop(FD_ENV)), "w")
     sys.path.insert(1, PYSITE)
     import pytest
 
@@ -223,4 +259,6 @@ def child(argv: list[str]) -> int:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         raise SystemExit(child(sys.argv[2:]))
+    if sys.argv[1:2] == ["--restore"]:
+        raise SystemExit(restore_main(sys.argv[2:]))
     raise SystemExit(parent(sys.argv[1:]))

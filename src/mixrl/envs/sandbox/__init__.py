@@ -9,7 +9,8 @@ Modules: ``core.py`` (``Sandbox``: how a command starts and ends), ``runtime.py`
 mount table, the interpreter, pytest), ``cgroup.py`` (memory/pids/CPU caps per episode and
 in total), ``fs.py`` (the episode's size- and inode-limited tmpfs, removal by unmount),
 ``seccomp.py`` (the BPF filter), ``reaper.py`` (orphaned inits), ``treediff.py`` (the diff,
-computed inside), ``limits.py`` (limits, results, host settings).
+computed inside), ``limits.py`` (limits, results, host settings), ``pool.py`` (admission:
+the memory caps of live sandboxes never add up past the parent cap).
 
 Layout and why it stays safe
 ----------------------------
@@ -34,7 +35,9 @@ Limits, each enforced by the kernel:
 
 =================  =====================================================================
 memory (total)     cgroup ``memory`` per episode (processes and their tmpfs files) under
-                   one parent capped at ``HostConfig.total_memory`` for all episodes
+                   one parent capped at ``HostConfig.total_memory`` for all episodes; a
+                   sandbox starts only while the live caps fit (``pool.py``, graders
+                   have their own budget): one episode's OOM never reaches another
 processes          cgroup ``pids.max`` per episode, plus ``RLIMIT_NPROC`` per user ns
 CPU                cgroup CPU quota (``cpus``), plus ``RLIMIT_CPU`` per process
 disk, inodes       the episode's tmpfs ``size=`` and ``nr_inodes=``; a command that fills

@@ -30,6 +30,7 @@ from mixrl.envs.sandbox import reaper, seccomp
 from mixrl.envs.sandbox.cgroup import Cgroup, hierarchy
 from mixrl.envs.sandbox.fs import EpisodeFS
 from mixrl.envs.sandbox.limits import HOST, DiffError, ExecResult, SandboxError, SandboxLimits
+from mixrl.envs.sandbox.pool import POOL
 from mixrl.envs.sandbox.runtime import WORKDIR, bwrap_options, limited, runtime, ulimits
 from mixrl.envs.sandbox.treediff import DIFF_EXCLUDES, TREEDIFF
 
@@ -43,7 +44,8 @@ READ_EVAL = "IFS= read -r -d '' __cmd; exec </dev/null; eval \"$__cmd\""
 class Sandbox:
     """One episode's sandbox; see the package docstring. Not shared between episodes."""
 
-    def __init__(self, fs: EpisodeFS, cg: Cgroup, limits: SandboxLimits, uid: int | None) -> None:
+    def __init__(self, fs: EpisodeFS, cg: Cgroup, limits: SandboxLimits, uid: int | None,
+                 pool: str = "episode") -> None:
         self.fs = fs
         self.cg = cg
         self.root = fs.root  # private host directory of the episode (a tmpfs mount point)
@@ -51,12 +53,16 @@ class Sandbox:
         self.work = fs.work
         self.limits = limits
         self.uid = uid  # host uid bwrap runs as (None: ours)
+        self.pool = pool  # the memory budget it was admitted to (pool.py)
         self.closed = False
 
     @classmethod
     async def create(cls, repo_dir: str | os.PathLike[str], limits: SandboxLimits | None = None,
-                     tmp_root: str | None = None) -> Sandbox:
-        """Copy ``repo_dir`` into a new episode filesystem and cgroup; raises ``SandboxError``."""
+                     tmp_root: str | None = None, pool: str = "episode") -> Sandbox:
+        """Copy ``repo_dir`` into a new episode filesystem and cgroup; raises ``SandboxError``.
+
+        Waits first until its memory cap fits in the ``pool`` budget (``"episode"`` or
+        ``"grading"``, see ``pool.py``)."""
         limits = limits or SandboxLimits()
         runtime()  # fail early (SandboxError) when bwrap is missing
         seccomp.program()
@@ -67,11 +73,13 @@ class Sandbox:
         if not os.path.isdir(src):
             raise SandboxError(f"Sandbox.create: repo_dir {src!r} is not a directory")
         uid = SANDBOX_UID if os.geteuid() == 0 else None
+        await POOL.acquire(pool, limits.cgroup_memory_bytes)
 
         def prepare() -> Sandbox:
             cg = tree.create(limits)
             try:
-                return cls(EpisodeFS.create(src, limits, uid, base=tmp_root or HOST.episode_root()), cg, limits, uid)
+                return cls(EpisodeFS.create(src, limits, uid, base=tmp_root or HOST.episode_root()), cg, limits, uid,
+                           pool)
             except BaseException:
                 cg.remove()
                 raise
@@ -80,8 +88,16 @@ class Sandbox:
         try:
             return await asyncio.shield(task)
         except asyncio.CancelledError:  # the copy still finishes in its thread: do not leak it
-            with contextlib.suppress(Exception):
-                await (await task).close()
+            try:
+                sb = await task
+            except Exception:
+                POOL.release(pool, limits.cgroup_memory_bytes)
+            else:
+                with contextlib.suppress(Exception):
+                    await sb.close()  # releases its budget
+            raise
+        except BaseException:
+            POOL.release(pool, limits.cgroup_memory_bytes)
             raise
 
     # -- running ------------------------------------------------------------------------
@@ -241,7 +257,10 @@ class Sandbox:
         """Kill every process of the episode, unmount its filesystem, remove its cgroup."""
         if not self.closed:
             self.closed = True
-            await asyncio.to_thread(_teardown, self.cg, self.fs)
+            try:
+                await asyncio.to_thread(_teardown, self.cg, self.fs)
+            finally:
+                POOL.release(self.pool, self.limits.cgroup_memory_bytes)
 
 
 def _teardown(cg: Cgroup, fs: EpisodeFS) -> None:

@@ -2,8 +2,9 @@
 
 ``SandboxLimits`` is per episode (every command of one sandbox); ``HostConfig`` is per
 process: where episode directories live and the memory cap shared by all episodes at
-once (``configure(root=..., total_memory_bytes=...)`` or the ``MIXRL_SANDBOX_ROOT`` /
-``MIXRL_SANDBOX_TOTAL_MEMORY`` variables).
+once (``configure(root=..., total_memory_bytes=..., grading_memory_bytes=...)`` or the
+``MIXRL_SANDBOX_ROOT`` / ``MIXRL_SANDBOX_TOTAL_MEMORY`` variables), of which graders get
+their own reserved part (``pool.py``).
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class HostConfig:
 
     root: str | None = None  # where episode directories are created (None: MIXRL_SANDBOX_ROOT or temp dir)
     total_memory_bytes: int | None = None  # cap over all episodes at once (None: env or half of RAM)
+    grading_memory_bytes: int | None = None  # part of it reserved for graders (None: see grading_memory)
 
     def episode_root(self) -> str:
         return self.root or os.environ.get("MIXRL_SANDBOX_ROOT") or tempfile.gettempdir()
@@ -99,16 +101,35 @@ class HostConfig:
             return v
         return min(16 << 30, _mem_total() // 2)
 
+    def grading_memory(self) -> int:
+        """The graders' reserved budget: a quarter of the total, at least 1 GiB while that
+        leaves the episodes half; never the whole total."""
+        total = self.total_memory()
+        if self.grading_memory_bytes is not None:
+            if not 0 < self.grading_memory_bytes < total:
+                raise SandboxError(f"grading_memory_bytes must be in (0, total_memory {total}), "
+                                   f"got {self.grading_memory_bytes}")
+            return self.grading_memory_bytes
+        return max(total // 4, min(1 << 30, total // 2))
+
 
 HOST = HostConfig()
 
 
-def configure(root: str | None = None, total_memory_bytes: int | None = None) -> None:
-    """Set where episodes live and the shared memory cap; applies to sandboxes created after.
+def configure(root: str | None = None, total_memory_bytes: int | None = None,
+              grading_memory_bytes: int | None = None) -> None:
+    """Set where episodes live, the shared memory cap and the graders' part of it; applies to
+    sandboxes created after.
 
     Changing the cap while sandboxes run takes effect for the next cgroup parent (a fresh
     one is made whenever the setting changed)."""
     if total_memory_bytes is not None and (isinstance(total_memory_bytes, bool) or total_memory_bytes < 64 << 20):
         raise ValueError(f"configure: total_memory_bytes must be >= {64 << 20}, got {total_memory_bytes!r}")
+    if grading_memory_bytes is not None and (isinstance(grading_memory_bytes, bool) or grading_memory_bytes < 64 << 20
+                                             or (total_memory_bytes is not None
+                                                 and grading_memory_bytes >= total_memory_bytes)):
+        raise ValueError(f"configure: grading_memory_bytes must be >= {64 << 20} and below total_memory_bytes, "
+                         f"got {grading_memory_bytes!r}")
     HOST.root = root
     HOST.total_memory_bytes = total_memory_bytes
+    HOST.grading_memory_bytes = grading_memory_bytes

@@ -42,6 +42,30 @@ def runtime() -> Runtime:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SandboxError("bubblewrap (bwrap) is not installed; apt-get install bubblewrap")
+    python, binds, links = _mounts()
+    return Runtime(bwrap, python, binds, links)
+
+
+def visible_host_paths() -> tuple[str, ...]:
+    """Every host path a sandboxed command can read (besides what a caller binds itself):
+    ``/usr``, the interpreter's prefix, pytest's packages, ``/bin`` and ``/lib*``."""
+    _, binds, links = _mounts()
+    paths = ["/usr", *(h for h, _ in binds), *(t for t, _ in links if t.startswith("/"))]  # relative: inside
+    return tuple(dict.fromkeys(os.path.realpath(p) for p in paths))
+
+
+def visible_in_sandbox(path: str) -> str | None:
+    """The sandbox mount that makes host ``path`` readable inside, or None."""
+    real = os.path.realpath(path)
+    for m in visible_host_paths():
+        if real == m or real.startswith(m.rstrip("/") + "/"):
+            return m
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _mounts() -> tuple[str, tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
+    """(interpreter path inside, read-only binds, symlinks) of every command; no bwrap needed."""
     binds: list[tuple[str, str]] = []
     links: list[tuple[str, str]] = []
     for d in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
@@ -69,7 +93,7 @@ def runtime() -> Runtime:
         src = spec.submodule_search_locations[0] if spec.submodule_search_locations else spec.origin
         binds.append((src, f"{PYSITE}/{os.path.basename(src)}"))
     links += [(python, "/opt/bin/python"), (python, "/opt/bin/python3")]
-    return Runtime(bwrap, python, tuple(binds), tuple(links))
+    return python, tuple(binds), tuple(links)
 
 
 def bwrap_options(lim: SandboxLimits, binds: list[tuple[str, str, bool]], cwd: str) -> list[str]:

@@ -1,0 +1,103 @@
+"""The oracle child; runs *inside* the grading sandbox as a script, imports the repository.
+
+    python3 -I /opt/grader/oracle_child.py /grader/job.json
+
+The job holds inputs only: ``{"imports": [...], "exprs": [...]}``. The expected values stay
+in the grading process on the host, which this process cannot reach; what it writes is a
+list of computed values, never a verdict. Order of work:
+
+1. read the job, keep a private duplicate of stdout, point fds 0, 1 and 2 at ``/dev/null``
+   (what the repository prints goes nowhere), write ``STARTED`` on the private fd: a child
+   that gets this far was started by us, anything after is the repository's doing;
+2. put ``/testbed`` last on ``sys.path``, run the imports, evaluate each expression;
+3. write ``RESULT`` and one JSON list: per expression ``{"v": value}``, ``{"raised": [class
+   names of the exception's MRO]}`` or ``{"error": why}`` (an import that failed, a value
+   that cannot be encoded or is too large).
+
+Values are encoded with their container types kept (a tuple is not a list): ``None``,
+``bool``, ``int``, ``float``, ``str`` as JSON; ``{"t": [...]}`` tuple, ``[...]`` list,
+``{"d": [[k, v], ...]}`` dict, ``{"s": [...]}`` set/frozenset, ``{"b": hex}`` bytes; only
+exact built-in types (a subclass, whatever its ``__eq__``, is ``{"o": type name}``).
+
+Imports nothing from mixrl: it runs on the bare interpreter of the sandbox.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+STARTED = "@@mixrl-oracle-started@@"
+RESULT = "@@mixrl-oracle-result@@"
+TESTBED = "/testbed"
+MAX_VALUE_BYTES = 64 << 10  # one encoded value
+MAX_NODES = 100_000  # containers and scalars walked per value
+
+
+class TooLarge(Exception):
+    pass
+
+
+def encode(v: Any, budget: list[int], depth: int = 0) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0 or depth > 64:
+        raise TooLarge
+    t = type(v)
+    if v is None or t in (bool, int, float, str):
+        return v
+    if t is list:
+        return [encode(x, budget, depth + 1) for x in v]
+    if t is tuple:
+        return {"t": [encode(x, budget, depth + 1) for x in v]}
+    if t is dict:
+        return {"d": [[encode(k, budget, depth + 1), encode(x, budget, depth + 1)] for k, x in v.items()]}
+    if t in (set, frozenset):
+        return {"s": [encode(x, budget, depth + 1) for x in v]}
+    if t is bytes:
+        return {"b": v.hex()}
+    return {"o": t.__name__}
+
+
+def _one(expr: str, ns: dict[str, Any]) -> dict[str, Any]:
+    try:
+        value = eval(compile(expr, "<oracle>", "eval"), ns)  # the task's own expression
+    except BaseException as e:  # noqa: BLE001 - SystemExit/KeyboardInterrupt are answers too
+        return {"raised": [c.__name__ for c in type(e).__mro__]}
+    try:
+        out = {"v": encode(value, [MAX_NODES])}
+        if len(json.dumps(out)) > MAX_VALUE_BYTES:
+            return {"error": "value too large"}
+        return out
+    except (TooLarge, RecursionError, ValueError, TypeError):
+        return {"error": "value too large or not encodable"}
+
+
+def main(argv: list[str]) -> int:
+    with open(argv[0]) as f:
+        job = json.load(f)
+    out = os.fdopen(os.dup(1), "w")
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    out.write(STARTED + "\n")
+    out.flush()
+    sys.path.append(TESTBED)
+    os.chdir(TESTBED)
+    ns: dict[str, Any] = {}
+    results: list[dict[str, Any]]
+    try:
+        for line in job["imports"]:
+            exec(compile(line, "<oracle-imports>", "exec"), ns)  # the task's own import lines
+    except BaseException as e:  # noqa: BLE001 - the repository does not import: every case fails
+        results = [{"error": f"import failed: {type(e).__name__}"} for _ in job["exprs"]]
+    else:
+        results = [_one(expr, ns) for expr in job["exprs"]]
+    out.write(RESULT + json.dumps(results) + "\n")
+    out.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
