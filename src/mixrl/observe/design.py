@@ -120,7 +120,8 @@ def _group_shares(r: Run) -> dict[str, dict[str, float]]:
     for g in r.groups():
         oob = toks = klsum = 0.0
         for row in r.rows:
-            n = row.get(f"precision/tokens/{g}") or 0.0
+            # token-weighted; metrics written without per-group token counts weigh steps equally
+            n = row.get(f"precision/tokens/{g}", 1.0 if f"precision/ratio_oob/{g}" in row else 0.0) or 0.0
             if n:
                 toks += n
                 oob += (row.get(f"precision/ratio_oob/{g}") or 0.0) * n
