@@ -152,7 +152,7 @@ def f4(cell_runs: list[Run]) -> dict[str, Any]:
     elif not diffs:
         verdict = "untestable (precision KL and sample share rank the groups identically)"
     elif iv is None:
-        verdict = "inconclusive"
+        verdict = f"inconclusive ({len(diffs)} testable run: an interval needs 2)"
     else:
         verdict = "not distinguishable" if iv.contains_zero else ("reproduced" if iv.lo > 0 else "not reproduced")
     return {"verdict": verdict, "runs_with_oob": with_oob, "rankings_coincide": coincide,
@@ -212,7 +212,8 @@ def markdown(res: dict[str, Any]) -> str:
             e = e or {}
             lines.append(f"| {name} | {_fmt(e.get('t'))} | {_fmt(e.get('boot'))} | {_fmt(e.get('reward_final'))} "
                          f"| {_fmt(e.get('reward_fp32'))} | {_found(e or None)} |")
-        lines += ["", f"Collapsed (monitor replayed): {v['collapsed']}", "",
+        col = ", ".join(f"{c} {n}" for c, n in sorted(v["collapsed"].items()))
+        lines += ["", f"Collapsed (the collapse monitor replayed on each run's metrics): {col}", "",
                   f"- F1 uncorrected GRPO collapses (precision only): **{v['F1']}**",
                   f"- F2 SC + MIS better than GRPO (precision only): **{v['F2']}**",
                   f"- F4 oob share follows KL: **{v['F4']['verdict']}** ({_fmt(v['F4']['interval'])})", ""]
