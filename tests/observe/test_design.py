@@ -149,3 +149,23 @@ def test_projection_from_measured_runs(tmp_path):
     assert p["runs"][1]["projected_s"] == pytest.approx(100 * 1.5 + fixed)
     assert p["runs"][2]["measured"].startswith("assumed")  # an unmeasured kind: the slowest measured
     assert p["wall_s"] == pytest.approx(2 * (100 * 1.5 + fixed) / 2)
+
+
+def test_stop_after_starts_nothing_late(tmp_path, capsys):
+    runs = [tmp_path / "mixed-sync" / "grpo" / f"seed{s}" for s in range(3)]
+    assert studyrun.execute(tmp_path, runs, jobs=1, fp32={"enabled": False}, stop_after_min=-1) == []
+    out = capsys.readouterr().out
+    assert out.count("not started (--stop-after)") == 3 and not (tmp_path / "data").exists()
+
+
+def test_fp32_score_runs_the_real_evaluation(tmp_path):
+    """One common FP32 sampler, the run's own environment: ``mixrl eval`` in a subprocess."""
+    from mixrl.config import run as runcfg
+    from mixrl.observe.compare import default_config_path
+
+    cfg = runcfg.load_config(default_config_path().with_name("demo.toml"))
+    (tmp_path / "config.toml").write_text(runcfg.to_toml(cfg) + "\n")
+    res = studydata.fp32_score("bundled", tmp_path, n_tasks=2, n=2, seed=5)
+    assert res["profile"] == "fp32" and 0.0 <= res["mean_reward"] <= 1.0, res
+    assert len(res["per_task"]) == 2 and all(v[0] == 2 for v in res["per_task"].values())
+    assert "error" in studydata.fp32_score(tmp_path / "no-such-model", tmp_path, 2, 2, 5)
