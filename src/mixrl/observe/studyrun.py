@@ -68,11 +68,12 @@ def train(run_dir: Path, threads: int, config: Path | None = None) -> int:
 
 
 def run_one(out: Path, run_dir: Path, threads: int, fp32: dict[str, Any], base: bool) -> tuple[int, float]:
-    """Train (unless finished), score under FP32 and write the data file; (exit code, seconds)."""
+    """Train (unless finished), score under FP32 and write the data file; (exit code, seconds),
+    seconds -1 for a run already done."""
     t0, rc = time.time(), 0
     data = studydata.data_file(out, run_dir)
     if data.exists() and finished(run_dir):
-        return 0, 0.0
+        return 0, -1.0  # already done
     if not finished(run_dir):
         rc = train(run_dir, threads)
     if rc == 0:
@@ -100,6 +101,9 @@ def execute(out: Path, runs: list[Path], jobs: int, fp32: dict[str, Any],
         for r, rc, dt, started in pool.map(one, range(len(runs))):
             if not started:
                 print(f"  {r}: not started (--stop-after); continue with --resume", flush=True)
+                continue
+            if dt < 0:
+                print(f"  {r}: already done", flush=True)
                 continue
             status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {side_file(r, 'logs', '.log')})"
             print(f"  {r}: {status} in {dt:.0f} s", flush=True)
