@@ -51,3 +51,45 @@ def test_budgets_and_bad_input(tmp_path, capsys):
     assert compare.main(_args(tmp_path, "--seeds", "0")) == 2
     assert "--seeds must be >= 1" in capsys.readouterr().err
     assert compare.main(_args(tmp_path, "--fleets", "moon")) == 2
+
+
+def test_plan_sync_async_cells(tmp_path):
+    args = _args(tmp_path, "--budget", "study", "--fleets", "mixed", "--seeds", "2", "--steps", "5")
+    runs = compare.plan(args)
+    cells = [(f, a) for f, a, d in runs if d.name == "seed0"]
+    assert cells == [("mixed-sync", "grpo"), ("mixed-async", "grpo"), ("mixed-sync", "sc+mis+top-p"),
+                     ("mixed-async", "sc+mis+top-p"), ("reference", "on-policy")]
+    assert _cfg(tmp_path, "mixed-sync", "grpo", 0)["runtime"]["mode"] == "sync"
+    assert _cfg(tmp_path, "mixed-async", "grpo", 1)["runtime"]["mode"] == "async"
+    groups = [g["profile"] for g in _cfg(tmp_path, "mixed-sync", "grpo", 0)["fleet"]["groups"]]
+    assert groups == ["b200-nvfp4", "h100-fp8", "h100-bf16", "b200-bf16"]
+    full = compare.settings(_args(tmp_path, "--budget", "study"))
+    assert full["steps"] >= 150 and full["seeds"] == 3 and set(full["modes"]) == {"sync", "async"}
+    assert compare.split_fleet("stress-async") == ("stress", "async") and compare.split_fleet("mixed") == ("mixed", "async")
+
+
+def test_real_budget_takes_any_model_path(tmp_path, capsys):
+    assert compare.main(_args(tmp_path, "--budget", "real")) == 2
+    assert "--model DIR" in capsys.readouterr().err
+    args = _args(tmp_path, "--budget", "real", "--model", "/models/any-135m", "--seeds", "1")
+    runs = compare.plan(args)
+    assert {f for f, _, _ in runs} == {"mixed-sync", "reference"}
+    cfg = _cfg(tmp_path, "mixed-sync", "sc+mis+top-p", 0)
+    assert cfg["model"]["path"] == "/models/any-135m" and cfg["runtime"]["mode"] == "sync"
+    assert cfg["trainer"]["lora"]["rank"] == 16
+    assert _cfg(tmp_path, "reference", "on-policy", 0)["model"]["path"] == "/models/any-135m"
+
+
+def test_resume_restores_the_settings(tmp_path, capsys):
+    args = _args(tmp_path, "--budget", "study", "--fleets", "stress", "--seeds", "1", "--steps", "4")
+    b = compare.settings(args)
+    compare._save(args, b)
+    p = argparse.ArgumentParser()
+    compare.configure(p)
+    again = p.parse_args(["--resume", str(tmp_path), "--dry-run"])
+    compare._restore(again)
+    assert again.out == tmp_path and compare.settings(again) == compare.settings(args)
+    missing = p.parse_args(["--resume", str(tmp_path / "nowhere"), "--dry-run"])
+    assert compare.main(missing) == 2
+    assert "study.json not found" in capsys.readouterr().err
+    assert compare.main(_args(tmp_path, "--modes", "later")) == 2

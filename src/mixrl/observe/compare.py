@@ -15,23 +15,38 @@ interrupted ones resume from their last checkpoint. Runs go as separate
 processes, ``--jobs`` at a time, each with ``cores // jobs`` torch threads,
 seed 0 of every cell first. At the end the report (``mixrl report OUT``) is written.
 
+Precision and lag are separated by the scheduling mode: with ``--modes sync,async``
+each fleet runs in ``runtime.mode = "sync"`` (staleness 0: the samplers' numerics
+alone) and async (numerics + policy lag), under the fleet names ``<fleet>-sync``
+and ``<fleet>-async``: with ``grpo`` and ``sc+mis+top-p`` a 2 x 2 per fleet
+(``observe/design.py`` judges it). The budget ``study`` is that design on the
+toy; ``real`` is its sync half on a model you name (``--model DIR``, LoRA, the
+``[study.real]`` block of compare.toml). The ``[study]`` table of the config
+(margins, the collapse monitor's settings, FP32 scoring) is read here, never
+passed to the runs.
+
     mixrl compare                       # the default study (docs/study.md: ~60 min on 2 cores)
-    mixrl compare --budget full         # every arm x 3 fleets x 3 seeds, 100 updates each
+    mixrl compare --budget study --plan # the 2 x 2 design: runs and projected time
+    mixrl compare --resume OUT          # continue a study (finished runs are skipped)
+    mixrl compare --recompute OUT       # every interval again, from OUT/data alone
     mixrl compare --arms grpo,on-policy --fleets stress --seeds 2 --steps 4   # a smoke test
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
-import subprocess
 import sys
-import time
-from concurrent.futures import ThreadPoolExecutor
+import tomllib
 from pathlib import Path
+from typing import Any
+
+from mixrl.observe.studyrun import finished, side_file  # noqa: F401  (the run layout, re-exported)
 
 ARMS = ("grpo", "grpo+mis", "sc", "grpo+top-p", "sc+mis", "sc+mis+top-p", "on-policy", "fp16")
 FLEETS = ("mixed", "homogeneous", "stress")
+MODES = ("sync", "async")
 REFERENCE_FLEET = "reference"  # where the arms with their own numerics run
 HOMOGENEOUS_PROFILE = "b200-bf16"
 STRESS_PROFILES = ("stress-b200-nvfp4", "stress-b300-mxfp4", "stress-h100-fp8")
@@ -44,6 +59,12 @@ BUDGETS: dict[str, dict[str, object]] = {
                 "seeds": 3, "steps": 24, "eval_tasks": 48, "eval_n": 16},
     "full": {"arms": ARMS, "fleets": FLEETS, "seeds": 3, "steps": 100, "eval_tasks": 128,
              "eval_n": 16},
+    # precision vs lag: every fleet sync and async, over a horizon where a collapse can show
+    "study": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": FLEETS,
+              "modes": MODES, "seeds": 3, "steps": 150, "eval_tasks": 48, "eval_n": 16},
+    # the real model's precision-only cells; arms, steps and LoRA from [study.real]
+    "real": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": ("mixed",), "modes": ("sync",),
+             "seeds": 3, "steps": 60, "eval_tasks": 48, "eval_n": 16},
 }
 
 
@@ -56,7 +77,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("config", nargs="?", type=Path, default=None,
       help="base run config (default: the bundled compare.toml)")
     a("--budget", choices=tuple(BUDGETS), default="default",
-      help="what to run: default (fits ~60 min on 2 cores) or full (docs/study.md)")
+      help="what to run: default (fits ~60 min on 2 cores), full, study (sync x async, 150 updates) "
+           "or real (a model of yours, sync; docs/study.md)")
     a("--arms", default=None, help=f"comma-separated presets (budget's; all: {','.join(ARMS)})")
     a("--fleets", default=None, help=f"comma-separated fleets among {','.join(FLEETS)}")
     a("--seeds", type=int, default=None, help="seeds per arm and fleet (default 3)")
@@ -68,16 +90,42 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="runs in parallel (default: one per core)")
     a("--set", dest="overrides", action="append", default=[],
       metavar="KEY=VALUE", help="override applied to every run")
+    a("--modes", default=None, help="comma-separated runtime modes among sync,async (budget's; "
+      "default and full: async only)")
+    a("--model", default=None, help="budget real: the model directory (sets [study.real] model_path)")
+    a("--plan", action="store_true", help="print the runs and their projected time, run nothing")
+    a("--calibrate", type=int, default=0, metavar="N",
+      help="with --plan: first run seed 0 of each cell for N updates to measure their cost")
+    a("--resume", type=Path, default=None, metavar="OUT",
+      help="continue the study in OUT with the settings it was started with")
+    a("--recompute", type=Path, default=None, metavar="OUT",
+      help="recompute every interval from OUT/data (the committed per-run files)")
+    a("--stop-after", type=float, default=None, metavar="MIN",
+      help="start no run after MIN minutes (the study continues with --resume)")
     a("--dry-run", action="store_true", help="write the run configs, run nothing")
     a("--no-report", action="store_true", help="skip the report at the end")
+
+
+def study_table(path: Path | None) -> dict[str, Any]:
+    """The config's ``[study]`` table (``{}`` when it has none)."""
+    try:
+        return dict(tomllib.loads(Path(path or default_config_path()).read_text()).get("study", {}))
+    except (OSError, tomllib.TOMLDecodeError):
+        return {}
 
 
 def settings(args: argparse.Namespace) -> dict[str, object]:
     """The budget with the command line's overrides; bad values raise ConfigError."""
     from mixrl.config.run import ConfigError
 
-    b = dict(BUDGETS[getattr(args, "budget", None) or "default"])
-    for key in ("arms", "fleets"):
+    budget = getattr(args, "budget", None) or "default"
+    b = dict(BUDGETS[budget])
+    b.setdefault("modes", ("async",))
+    real = study_table(getattr(args, "config", None)).get("real", {}) if budget == "real" else {}
+    for key in ("arms", "steps", "seeds"):
+        if key in real:
+            b[key] = tuple(real[key]) if key == "arms" else int(real[key])
+    for key in ("arms", "fleets", "modes"):
         if getattr(args, key, None):
             b[key] = tuple(x for x in str(getattr(args, key)).split(",") if x)
     for key in ("seeds", "steps", "eval_tasks", "eval_n"):
@@ -86,7 +134,28 @@ def settings(args: argparse.Namespace) -> dict[str, object]:
     for key in ("seeds", "steps", "eval_tasks", "eval_n"):
         if int(b[key]) < 1:  # type: ignore[call-overload]
             raise ConfigError(f"--{key.replace('_', '-')} must be >= 1, got {b[key]}")
+    bad = [m for m in b["modes"] if m not in MODES]  # type: ignore[attr-defined]
+    if bad or not b["modes"]:
+        raise ConfigError(f"--modes: unknown mode(s) {bad}; valid: {list(MODES)}")
+    if budget == "real":
+        model = getattr(args, "model", None) or real.get("model_path") or ""
+        if not model:
+            raise ConfigError("study.real.model_path is empty: name the model with --model DIR")
+        b["model"], b["real_set"] = str(model), [str(x) for x in real.get("set", [])]
     return b
+
+
+def fleet_dir(fleet: str, mode: str, modes: tuple[str, ...]) -> str:
+    """The fleet's folder: ``<fleet>`` when the study has one mode (async), else ``<fleet>-<mode>``."""
+    return fleet if tuple(modes) == ("async",) else f"{fleet}-{mode}"
+
+
+def split_fleet(name: str) -> tuple[str, str]:
+    """``"mixed-sync"`` -> ``("mixed", "sync")``; a plain fleet runs async."""
+    for m in MODES:
+        if name.endswith("-" + m):
+            return name[: -len(m) - 1], m
+    return name, "async"
 
 
 def _arm_config(base, arm: str, fleet: str, seed: int, run_dir: Path, b: dict, first: bool):  # type: ignore[no-untyped-def]
@@ -94,7 +163,9 @@ def _arm_config(base, arm: str, fleet: str, seed: int, run_dir: Path, b: dict, f
     from mixrl.config.presets import PRESETS
 
     preset = PRESETS[arm]
+    fleet, mode = split_fleet(fleet)
     cfg = base.model_copy(deep=True)
+    cfg.runtime.mode = mode  # type: ignore[assignment]
     cfg.loss = runcfg.LossSection(preset=arm, overrides=dict(base.loss.overrides))
     cfg.observe.run_dir = str(run_dir)
     cfg.observe.progress = False
@@ -119,6 +190,25 @@ def _arm_config(base, arm: str, fleet: str, seed: int, run_dir: Path, b: dict, f
     return cfg
 
 
+def base_config(args: argparse.Namespace, b: dict[str, object]):  # type: ignore[no-untyped-def]
+    """The run config shared by every run: the file less its ``[study]`` table, the real
+    model's settings (budget real), then ``--set``."""
+    from mixrl.config import run as runcfg
+
+    path = Path(args.config or default_config_path())
+    try:
+        tree = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise runcfg.ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise runcfg.ConfigError(f"{path}: invalid TOML: {e}") from None
+    tree.pop("study", None)
+    sets = list(b.get("real_set", []))  # type: ignore[call-overload]
+    if "model" in b:
+        sets.insert(0, f"model.path={json.dumps(b['model'])}")
+    return runcfg.build_config(tree, sets + list(args.overrides))
+
+
 def plan(args: argparse.Namespace) -> list[tuple[str, str, Path]]:
     """Write ``OUT/configs/<fleet>/<arm>/seed<s>.toml`` for each run; return (fleet, arm, run_dir)."""
     from mixrl.config import run as runcfg
@@ -132,13 +222,14 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, Path]]:
     bad = [f for f in fleets if f not in FLEETS]
     if bad:
         raise runcfg.ConfigError(f"--fleets: unknown fleet(s) {bad}; valid: {list(FLEETS)}")
-    base = runcfg.load_config(args.config or default_config_path(), args.overrides)
+    base = base_config(args, b)
+    modes = tuple(b["modes"])  # type: ignore[call-overload]
     cells = []
     for arm in arms:
         if PRESETS[arm].fleet_profile is not None:
             cells.append((REFERENCE_FLEET, arm))
         else:
-            cells += [(fleet, arm) for fleet in fleets]
+            cells += [(fleet_dir(f, m, modes), arm) for f in fleets for m in modes]
     out = []
     for seed in range(int(b["seeds"])):  # type: ignore[call-overload]
         for fleet, arm in cells:
@@ -190,68 +281,96 @@ def stress_fleet(mixed):  # type: ignore[no-untyped-def]
     return FleetConfig(groups=groups, autoscaler=mixed.autoscaler)
 
 
-def finished(run_dir: Path) -> bool:
-    """A run is finished when ``mixrl train`` wrote its summary and was not interrupted."""
-    import json
-
-    f = run_dir / "summary.json"
-    try:
-        return f.exists() and not json.loads(f.read_text()).get("interrupted", True)
-    except json.JSONDecodeError:
-        return False
+SAVED = ("budget", "arms", "fleets", "modes", "seeds", "steps", "eval_tasks", "eval_n", "config", "overrides",
+         "model")
 
 
-def side_file(run_dir: Path, kind: str, suffix: str) -> Path:
-    """``OUT/<kind>/<fleet>/<arm>/seed<s><suffix>``: configs and logs live beside the run
-    directories (``mixrl train`` wants its run directory to itself)."""
-    seed_dir = Path(run_dir)
-    out = seed_dir.parent.parent.parent
-    f = out / kind / seed_dir.parent.parent.name / seed_dir.parent.name / (seed_dir.name + suffix)
-    f.parent.mkdir(parents=True, exist_ok=True)
-    return f
+def _restore(args: argparse.Namespace) -> None:
+    """``--resume OUT``: the settings the study in OUT was started with (``OUT/study.json``)."""
+    from mixrl.config.run import ConfigError
+
+    f = Path(args.resume) / "study.json"
+    if not f.exists():
+        raise ConfigError(f"--resume: {f} not found (start the study without --resume first)")
+    saved = json.loads(f.read_text())["args"]
+    for k in SAVED:
+        setattr(args, k, Path(saved[k]) if k == "config" and saved[k] else saved[k])
+    args.out = Path(args.resume)
 
 
-def _run_one(run_dir: Path, threads: int) -> tuple[Path, int, float]:
-    if finished(run_dir):
-        return run_dir, 0, 0.0
-    cmd = [sys.executable, "-m", "mixrl.cli", "train"]
-    if (run_dir / "checkpoints").exists() and any((run_dir / "checkpoints").iterdir()):
-        cmd += ["--resume", str(run_dir)]
-    else:  # nothing to resume: start (again) from the written config
-        cmd += [str(side_file(run_dir, "configs", ".toml")), "--overwrite"]
-    cmd += ["--set", f"runtime.torch_threads={threads}"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    t0 = time.time()
-    with open(side_file(run_dir, "logs", ".log"), "a") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    return run_dir, rc, time.time() - t0
+def _save(args: argparse.Namespace, b: dict[str, object]) -> None:
+    state = {k: (str(v) if isinstance(v := getattr(args, k, None), Path) else v) for k in SAVED}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "study.json").write_text(json.dumps({"args": state, "settings": b}, indent=1, default=list))
+
+
+def fp32_settings(args: argparse.Namespace, b: dict[str, object]) -> dict[str, Any]:
+    t = dict(study_table(args.config).get("fp32", {}))
+    return {"enabled": bool(t.get("enabled", True)), "n_tasks": int(t.get("n_tasks", 16)),
+            "n": int(t.get("n", 8)), "seed": int(t.get("seed", 4321))}
+
+
+def print_plan(args: argparse.Namespace, runs: list[Path], steps: int) -> dict[str, Any]:
+    from mixrl.observe.studyrun import projection
+
+    p = projection(args.out, runs, steps, args.jobs)
+    for k, m in sorted(p["measured"].items()):
+        print(f"  measured {k}: {m['update_s']:.2f} s/update, fixed {m['fixed_s']:.0f} s/run ({m['source']})")
+    for r in p["runs"]:
+        extra = (f"{r['updates']} updates x {r['update_s']:.2f} s + {r['fixed_s']:.0f} s = "
+                 f"{r['projected_s'] / 60:.1f} min ({r['measured']})" if r["status"] != "done" else "")
+        print(f"  {r['run']}: {r['status']} {extra}")
+    if p["unmeasured"]:
+        print("  nothing measured yet: add --calibrate N (runs seed 0 of each cell for N updates)")
+    else:
+        print(f"projected: {p['total_run_s'] / 3600:.2f} h of runs, {p['wall_s'] / 3600:.2f} h wall "
+              f"with {p['jobs']} job(s) (load average now {os.getloadavg()[0]:.1f})")
+    (args.out / "plan.json").write_text(json.dumps(p, indent=1, default=float))
+    return p
+
+
+def _calibrate(args: argparse.Namespace, steps: int) -> None:
+    from mixrl.observe.studyrun import execute
+
+    cal = argparse.Namespace(**{**vars(args), "out": args.out / "calibration", "seeds": 1, "steps": steps})
+    runs = [r for _, _, r in plan(cal)]
+    print(f"calibration: {len(runs)} runs of {steps} updates under {cal.out}")
+    execute(cal.out, runs, args.jobs, fp32_settings(args, {}))
 
 
 def main(args: argparse.Namespace) -> int:
     from mixrl.config.run import ConfigError
 
+    if args.recompute is not None:
+        from mixrl.observe import design
+
+        return design.main(args.recompute, study_table(args.config))
     try:
+        if args.resume is not None:
+            _restore(args)
+        b = settings(args)
         runs = plan(args)
     except ConfigError as e:
         print(f"mixrl compare: invalid config:\n{e}", file=sys.stderr)
         return 2
     print(f"{len(runs)} runs under {args.out}: " + ", ".join(sorted({f"{f}/{a}" for f, a, _ in runs}))
-          + f" x {settings(args)['seeds']} seed(s)")
+          + f" x {b['seeds']} seed(s), {b['steps']} updates")
     if args.dry_run:
         return 0
-    jobs = max(1, min(args.jobs, len(runs)))
-    threads = max(1, (os.cpu_count() or 1) // jobs)
-    t0 = time.time()
-    failed = []
-    with ThreadPoolExecutor(jobs) as pool:
-        for run_dir, rc, dt in pool.map(lambda r: _run_one(r[2], threads), runs):  # seed-major
-            status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {side_file(run_dir, 'logs', '.log')})"
-            print(f"  {run_dir}: {status} in {dt:.0f} s", flush=True)
-            if rc != 0:
-                failed.append(run_dir)
-    print(f"compare wall time: {time.time() - t0:.0f} s")
-    if not args.no_report:
-        from mixrl.observe import report
+    _save(args, b)
+    dirs = [r for _, _, r in runs]
+    if args.plan:
+        if args.calibrate > 0:
+            _calibrate(args, args.calibrate)
+        print_plan(args, dirs, int(b["steps"]))  # type: ignore[call-overload]
+        return 0
+    from mixrl.observe.studyrun import execute
 
+    failed = execute(args.out, dirs, args.jobs, fp32_settings(args, b), args.stop_after)
+    if not args.no_report:
+        from mixrl.observe import design, report
+
+        if any(split_fleet(f)[1] == "sync" for f, _, _ in runs):
+            design.main(args.out, study_table(args.config))
         report.main(argparse.Namespace(dir=args.out, k=4))
     return 1 if failed else 0

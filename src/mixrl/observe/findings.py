@@ -16,9 +16,14 @@ Findings 1, 2 and 4 are judged per fleet (mixed and stress, where run).
 3. Mixed matches homogeneous: ``sc+mis+top-p`` mixed vs homogeneous, judged on
    quality only; the modelled cost (profile price and throughput table, not a
    measurement) is reported beside it, never as evidence.
-4. A group's share of out-of-range tokens follows its precision KL rather than
-   its share of samples: per seed, Spearman(oob share, KL) − Spearman(oob share,
-   sample share) over the fleet's groups, with an interval over seeds.
+4. A group's share of out-of-range staleness-0 tokens follows its precision KL
+   rather than its share of samples: per run, Spearman(oob share, KL) − Spearman(oob
+   share, sample share) over the fleet's groups (average ranks for ties), a t-interval
+   over runs; inconclusive ("untestable") when the two rankings coincide.
+
+Differences of two arms pair their seeds (``_diff``): the paired t over seeds and
+the two-way bootstrap over seeds x tasks (``observe/paired.py``), both required to
+exclude 0.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from mixrl.observe.plots import group_stats, kl_key
+from mixrl.observe import paired
+from mixrl.observe.plots import kl_key
 from mixrl.observe.runs import Run
 from mixrl.observe.stats import (
     NOT_DISTINGUISHABLE,
@@ -36,6 +42,7 @@ from mixrl.observe.stats import (
     bootstrap_passk_diff,
     bootstrap_passk_mean,
     hard_tasks,
+    passk_matrix,
 )
 
 COST_SOURCE = ("modelled: generated tokens / profile tokens_per_second x price_per_hour, "
@@ -140,9 +147,27 @@ def cell_table(runs: list[Run], k: int) -> list[dict[str, Any]]:
 
 
 def _diff(a: list[Run], b: list[Run], k: int, tasks: list[str] | None = None) -> Interval | None:
+    """pass@k(A) − pass@k(B). Seeds present in both arms are paired (same seed: same prompts):
+    the paired t over seeds and the two-way bootstrap over seeds x tasks (``observe/paired.py``),
+    reported as the union of the two, so a difference counts only when both exclude 0. Without
+    two shared seeds: the bootstrap over seeds and (paired) tasks of ``observe/stats.py``."""
     ta, tb = _tables(a), _tables(b)
     if not ta or not tb or tasks == []:
         return None
+    pa = {r.seed: r for r in a if per_task(r)}
+    pb = {r.seed: r for r in b if per_task(r)}
+    seeds = sorted(set(pa) & set(pb) - {""})
+    if len(seeds) >= 2:
+        common = sorted(set.intersection(*(set(per_task(x[s]) or {}) for x in (pa, pb) for s in seeds)))
+        ts = common if tasks is None else [t for t in tasks if t in common]
+        if len(ts) >= 2:
+            ma = passk_matrix([per_task(pa[s]) or {} for s in seeds], ts, k)
+            mb = passk_matrix([per_task(pb[s]) or {} for s in seeds], ts, k)
+            t, boot = paired.both(ma, mb)
+            if t is not None and boot is not None:
+                return Interval(t.estimate, min(t.lo, boot.lo), max(t.hi, boot.hi), t.level, 0,
+                                f"{len(seeds)} paired seeds x {len(ts)} tasks: {t.method} "
+                                f"[{t.lo:+.3f}, {t.hi:+.3f}] and {boot.method} [{boot.lo:+.3f}, {boot.hi:+.3f}]")
     return bootstrap_passk_diff(ta, tb, k, tasks=tasks)
 
 
@@ -216,47 +241,21 @@ def _f3(c: dict[str, list[Run]], k: int, hard: list[str]) -> Finding:
     return Finding(title, verdict, ev + f"; interval width {iv.hi - iv.lo:.3f}", iv)
 
 
-def _spearman(a: list[float], b: list[float]) -> float:
-    def ranks(x: list[float]) -> list[float]:
-        order = sorted(range(len(x)), key=lambda i: x[i])
-        r = [0.0] * len(x)
-        for pos, i in enumerate(order):
-            r[i] = float(pos)
-        return r
-
-    if len(a) < 3:
-        return math.nan
-    ra, rb = ranks(a), ranks(b)
-    ma, mb = sum(ra) / len(ra), sum(rb) / len(rb)
-    cov = sum((x - ma) * (y - mb) for x, y in zip(ra, rb, strict=True))
-    va = math.sqrt(sum((x - ma) ** 2 for x in ra))
-    vb = math.sqrt(sum((y - mb) ** 2 for y in rb))
-    return cov / (va * vb) if va > 0 and vb > 0 else math.nan
-
-
 def _f4(c: dict[str, list[Run]], fleet: str) -> Finding:
+    """Precision-only out-of-range tokens against precision KL and sample share (``design.f4``)."""
+    from mixrl.observe.design import f4
+
     title = f"4. out-of-range share follows KL, not sample share ({fleet} fleet)"
     runs = [r for name, rs in c.items() if name.startswith(fleet + "/") for r in rs if len(r.groups()) >= 3]
-    diffs, kls = [], []
-    for r in runs:
-        st = group_stats(r)
-        g = sorted(st)
-        oob = [st[x]["share_oob"] for x in g]
-        if any(math.isnan(v) for v in oob) or not sum(oob):
-            continue
-        rk = _spearman(oob, [st[x]["kl"] for x in g])
-        rs_ = _spearman(oob, [st[x]["share_samples"] for x in g])
-        if not math.isnan(rk):
-            kls.append(rk)
-            diffs.append(rk - (0.0 if math.isnan(rs_) else rs_))
-    if not diffs:
-        return Finding(title, "inconclusive", f"no {fleet} run with >= 3 groups and out-of-range tokens")
-    iv = bootstrap_mean_diff(diffs)
-    ev = (f"over {len(diffs)} runs: Spearman(oob share, precision KL) mean {sum(kls) / len(kls):.2f}; "
-          f"Spearman(oob, KL) - Spearman(oob, sample share): {_iv(iv)}")
-    assert iv is not None
-    verdict = NOT_DISTINGUISHABLE if iv.contains_zero else ("reproduced" if iv.lo > 0 else "not reproduced")
-    return Finding(title, verdict, ev, iv)
+    res = f4(runs)
+    d = res["interval"]
+    iv = None if d is None else Interval(d["estimate"], d["lo"], d["hi"], d["level"], 0,
+                                         f"{d['seeds']} runs, {d['method']}")
+    ev = (f"staleness-0 tokens only; over {res['runs_with_oob']} runs with such tokens out of range "
+          f"({res['rankings_coincide']} where precision KL and sample share rank the groups identically): "
+          f"Spearman(oob, KL) - Spearman(oob, sample share), average ranks: {_iv(iv)}")
+    verdict = res["verdict"] if not res["verdict"].startswith("untestable") else "inconclusive"
+    return Finding(title, verdict, ev + ("; " + res["verdict"] if verdict == "inconclusive" else ""), iv)
 
 
 def judge(runs: list[Run], k: int = 4) -> list[Finding]:

@@ -14,7 +14,7 @@ The signals (docs/corrections.md section 10, "Collapse signals"):
    only for metrics written without the split. Never k1, which is too noisy at
    small batches and can turn negative. A step with no staleness-0 token has
    no precision KL and leaves the average unchanged. The early level is the
-   mean over the ``early_steps`` steps that follow the ``warmup_steps`` first ones;
+   mean of the first ``early_steps`` measurements after the ``warmup_steps`` first steps;
 3. ``format_errors``: the smoothed share of episodes ending on repeated format
    errors (``rollout/format_error_end``) exceeds ``format_error_frac``.
 
@@ -24,7 +24,7 @@ appended to ``collapse.jsonl`` in the run directory by the caller.
 
 Example::
 
-    mon = CollapseMonitor(MonitorConfig(early_steps=3, warmup_steps=3))
+    mon = CollapseMonitor(MonitorConfig(early_steps=3, warmup_steps=3))   # or replay(rows, cfg)
     for step, m in enumerate(metrics, 1):
         for ev in mon.update(step, m):
             print(ev)            # {"step": 12, "signal": "kl_growth", "active": True, ...}
@@ -51,10 +51,11 @@ class MonitorConfig:
     ema: float = 0.1  # weight of the newest value in the moving averages, in (0, 1]
     reward_drop: float = 0.15  # absolute fall below the running best of the smoothed reward
     kl_factor: float = 3.0  # smoothed KL >= kl_factor x early level
-    early_steps: int = 10  # steps (after warm-up) that define the early KL level
-    # The early KL level is taken after warm-up: in an async run the first steps
-    # have no staleness yet, so their KL is the precision mismatch alone.
-    warmup_steps: int = 10  # no signal fires, and no early level is taken, before this
+    # Sized so a collapse can be flagged within a few tens of updates: the earliest
+    # possible flag is at step warmup_steps + early_steps + 1 (a KL signal needs its
+    # early level first). A step without staleness-0 tokens adds nothing to the level.
+    early_steps: int = 5  # precision-KL measurements (after warm-up) that define the early level
+    warmup_steps: int = 3  # no signal fires, and no early level is taken, up to this step
     format_error_frac: float = 0.5  # "most episodes" end on format errors
     kl_floor: float = 1e-8  # early KL below this is treated as this (avoids 0 x 3 = 0)
 
@@ -169,6 +170,26 @@ class CollapseMonitor:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for k, v in state.items():
             setattr(self, k, v)
+
+
+def monitor_config(fields: Mapping[str, Any] | None) -> MonitorConfig:
+    """A ``MonitorConfig`` from a table of its fields (e.g. ``[study.monitor]`` of
+    compare.toml); an unknown field raises ValueError naming it."""
+    known = set(MonitorConfig.__dataclass_fields__)
+    bad = sorted(set(fields or {}) - known)
+    if bad:
+        raise ValueError(f"collapse monitor: unknown field(s) {bad}; valid: {sorted(known)}")
+    return MonitorConfig(**dict(fields or {}))
+
+
+def replay(rows: list[Mapping[str, Any]],
+           cfg: MonitorConfig | None = None) -> tuple[CollapseMonitor, list[dict[str, Any]]]:
+    """Run the monitor over recorded per-step metrics (``metrics.jsonl`` rows, in order):
+    the verdict and events the run would have produced online with these settings."""
+    mon, events = CollapseMonitor(cfg or MonitorConfig()), []
+    for i, row in enumerate(rows, 1):
+        events += mon.update(int(row.get("step", i)), row)
+    return mon, events
 
 
 def _finite(x: Any) -> float | None:
