@@ -446,6 +446,10 @@ def main(args: argparse.Namespace) -> int:
     if args.workload == "multiturn":
         from mixrl.bench import sampler_reuse
 
+        bad = sampler_reuse.check(args)
+        if bad:
+            print(f"mixrl bench sampler: {bad}")
+            return 2
         out = sampler_reuse.run(args)
     else:
         out = run(args)

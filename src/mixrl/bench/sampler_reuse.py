@@ -52,6 +52,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-budget-mb", type=float, default=64.0, help="bytes of sessions' KV kept, in MiB")
 
 
+def check(args: argparse.Namespace) -> str | None:
+    """The first bad option, as one line; None when all are valid."""
+    for name in ("episodes", "turns", "reply_tokens", "groups", "group_size"):
+        if getattr(args, name) < 1:
+            return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
+    if not args.kv_budget_mb > 0:
+        return f"--kv-budget-mb must be > 0, got {args.kv_budget_mb}"
+    return None
+
+
 def _model(spec: str, workdir: str, seed: int) -> tuple[str, str]:
     from mixrl.bench.sampler import REFERENCE, resolve_model
 
@@ -186,11 +196,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from mixrl.sampling.builtin.engine import BuiltinEngine
     from mixrl.sampling.profiles import get_profile
 
-    for name in ("episodes", "turns", "reply_tokens", "groups", "group_size"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"mixrl bench sampler: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.kv_budget_mb <= 0:
-        raise SystemExit(f"mixrl bench sampler: --kv-budget-mb must be > 0, got {args.kv_budget_mb}")
     budget = int(args.kv_budget_mb * (1 << 20))
     with tempfile.TemporaryDirectory() as tmp:
         path, desc = _model(args.model, tmp, args.seed)
@@ -214,6 +219,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "load_avg_1m_end": os.getloadavg()[0],
         }  # fmt: skip
     m, g = out["multiturn"], out["group"]
+    for w, r in (("multiturn", m), ("group", g)):  # the headline figures, also at the top level
+        for k in ("prefill_saved_frac", "reuse_over_no_reuse", "reuse_over_no_reuse_cpu", "ratio_limit",
+                  "identical_tokens", "kv_retained_peak_bytes"):
+            out[f"{w}_{k}"] = r[k]
+        out[f"{w}_reuse_over_no_reuse_ci95"] = r["reuse_over_no_reuse_ci95"]
     out["goals"] = {"multiturn.prefill_saved_frac>=0.5": m["prefill_saved_frac"] >= 0.5,
                     "multiturn.reuse_over_no_reuse>=1.3": m["reuse_over_no_reuse"] >= 1.3,
                     "group.reuse_over_no_reuse>=1.15": g["reuse_over_no_reuse"] >= 1.15,
