@@ -40,7 +40,7 @@ def test_multiturn_workload_json(tmp_path, capsys):
         assert w["prefill_saved_frac"] == w["reused_tokens"] / w["prompt_tokens"]
         assert 0 < w["kv_retained_peak_bytes"] <= w["kv_budget_bytes"] == 1 << 20
         assert len(w["reuse_over_no_reuse_rounds"]) == 2 and w["samples_per_s_on"] > 0
-        assert w["ratio_limit"] == 1 / (1 - w["prefill_frac_off"] * w["prefill_saved_frac"])
+        assert w["ratio_from_prefill_time"] == 1 / (1 - w["prefill_frac_off"] * w["prefill_saved_frac"])
     # the group's 4 samples share one prefill: at least 3 of every 4 prompt tokens reused
     assert g["prefill_saved_frac"] >= 0.75
     # turns 2 and 3 reuse each session's kept KV
