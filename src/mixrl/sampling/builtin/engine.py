@@ -8,6 +8,9 @@ Two paths (``forward=``): ``"fast"``, the hand-fused Qwen3 kernels
 (``fast``/``qwen3_forward``), and ``"generic"``, the HF model's own modules with
 the formats applied in place (``generic``); ``"auto"`` (default) takes the fast
 path where it applies (``fast.applies``) and the generic one otherwise.
+KV is computed once where it can be (``prefix_cache``): a cohort's identical prompts
+share one prefill, and a session's KV is kept between its requests (LRU under
+``kv_retain_bytes``), so its next turn prefills only its new tokens.
 MoE models (generic path) also record, per generated token, the top-k experts
 each layer routed the position that produced it to (``routed_experts``).
 

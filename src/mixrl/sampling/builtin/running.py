@@ -14,7 +14,10 @@ feeds the tokens through the model. Between steps:
   left-padded to end at the batch's current column, and absorbed into the batch's
   KV cache (``batch.absorb``); when they are longer than the columns so far, the
   old rows' columns move right (more leading padding, masked). Leading columns
-  that are padding for every row are trimmed when rows leave.
+  that are padding for every row are trimmed when rows leave;
+- KV reuse (``prefix_cache``, ``engine.prefix_reuse``): rows admitted together with the same
+  prompt are prefilled once, a session's kept columns are copied in rather than computed,
+  and a row that finishes with a stop or its length leaves its columns to its session.
 
 Guarantees, as for one batch: a request draws its uniforms from its own generator
 (``params.seed``, else ``request_seed(engine seed, j)`` for the j-th request the
