@@ -28,8 +28,9 @@ prefill_saved_frac), the ratio that the prefill time saved alone accounts for. T
 ratio can exceed it: rows that join a running batch with a shorter prefill also copy fewer
 columns into it and allocate smaller activations, outside ``begin``.
 
-Model: the bundled policy when built (``--model auto``), else a random Qwen3 of the
-reference size with the bundled tokenizer (its chat template); FP32, ``--threads`` threads.
+Model: the demo's bundled policy (``--model auto`` or ``bundled``; a calculator episode then
+looks like a run's), ``random``: a random Qwen3 of the reference size (4 layers, hidden 256)
+with the bundled tokenizer, or an HF directory with a tokenizer; FP32, ``--threads`` threads.
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ FOLLOW_UP = "Next question: {q}"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--episodes", type=int, default=16, help="multiturn: episodes (sessions) per round")
+    parser.add_argument("--episodes", type=int, default=32,
+                        help="multiturn: episodes (sessions) per round; 32 = one replica's share of the demo's "
+                             "16 prompts x 8 samples over 4 groups")  # fmt: skip
     parser.add_argument("--turns", type=int, default=4, help="multiturn: turns per episode")
     parser.add_argument("--reply-tokens", type=int, default=24, help="multiturn and group: max tokens per reply")
     parser.add_argument("--groups", type=int, default=8, help="group: prompts per round")
@@ -61,16 +64,22 @@ def check(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}"
     if not args.kv_budget_mb > 0:
         return f"--kv-budget-mb must be > 0, got {args.kv_budget_mb}"
+    if args.model not in ("auto", "bundled", "random") and not os.path.exists(
+        os.path.join(args.model, "tokenizer_config.json")
+    ):
+        return f"--model {args.model!r} has no tokenizer_config.json (the workload needs a chat template)"
     return None
 
 
 def _model(spec: str, workdir: str, seed: int) -> tuple[str, str]:
-    from mixrl.bench.sampler import REFERENCE, resolve_model
+    from mixrl.bench.sampler import REFERENCE
 
+    if spec in ("auto", "bundled"):  # the demo's policy, shipped with its tokenizer and chat template
+        from mixrl.models.policy import resolve
+
+        return str(resolve("bundled")), "bundled policy (the demo's, shipped)"
     if spec != "random":
-        path, desc = resolve_model(spec, workdir, seed)
-        if os.path.exists(os.path.join(path, "tokenizer_config.json")):
-            return path, desc
+        return spec, f"HF directory {spec}"
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
