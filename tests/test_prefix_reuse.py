@@ -280,3 +280,39 @@ def test_endpoint_session_reuses_its_recorded_prefix(tmp_path):
     assert r2.prompt_ids[:kept] == (r1.prompt_ids + a.token_ids)[:kept]
     assert b.timings["reused_tokens"] == kept  # the extending request prefills only the rest
     assert b.timings["prefill_tokens"] == len(r2.prompt_ids) - kept
+
+
+def _hf_model(path, cls: str, **extra) -> str:
+    import transformers
+
+    cfg = getattr(transformers, cls)(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                     max_position_embeddings=256, tie_word_embeddings=False, **extra)  # fmt: skip
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() >= 2:
+                p.mul_(4.0)
+    m.save_pretrained(path)
+    return str(path)
+
+
+def test_moe_routing_is_copied_with_the_shared_rows(tmp_path):
+    path = _hf_model(tmp_path, "Qwen3MoeConfig", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    on, off = _engine(path, forward="generic"), _engine(path, forward="generic", reuse=False)
+    assert on.prefix_reuse
+    got, want = _turns(on), _turns(off)
+    for a, b in zip(got, want, strict=True):
+        _same(a, b)
+        for x, y in zip(a, b, strict=True):  # the first token's experts come from the shared prefill
+            assert x.routed_experts is not None and x.routed_experts == y.routed_experts
+    assert got[0][1].timings["reused_tokens"] == 12 and got[1][0].timings["reused_tokens"] == 17
+
+
+def test_sliding_window_models_do_not_reuse(tmp_path):
+    path = _hf_model(tmp_path, "MistralConfig", sliding_window=8)
+    e = _engine(path, forward="generic")
+    assert not e.prefix_reuse and e.kv_store is None  # a sliding layer counts its own columns
+    res = e.generate_batch([_req(_ids(12, 1), 1, "s")] * 2)
+    assert [r.timings["reused_tokens"] for r in res] == [0, 0]
