@@ -44,9 +44,10 @@ def test_chunks_fit_the_budget_and_tokens_do_not_change(model_dir):
     allocated: list[tuple[int, int]] = []  # (rows, cache columns) of every decoded chunk
     begin = bounded.path.begin
 
-    def spy(w, ids, start, length):
-        allocated.append((int(ids.shape[0]), int(length)))
-        return begin(w, ids, start, length)
+    def spy(w, ids, start, length, **reuse):
+        rows = reuse.get("rows")  # prefix sharing: rows copied from fewer prefilled ones
+        allocated.append((int(ids.shape[0] if rows is None else len(rows)), int(length)))
+        return begin(w, ids, start, length, **reuse)
 
     bounded.path.begin = spy
     reqs = requests(24)

@@ -91,6 +91,17 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
                  "kl_no_replay"),
         Headline("routing_diff_frac", "tokens whose experts differ, sampler vs trainer"),
     ),
+    "sampler_reuse": (
+        Headline("multiturn_prefill_saved_frac", "4-turn calculator episodes, share of prefill tokens reused",
+                 ">=", 0.5),
+        Headline("multiturn_reuse_over_no_reuse", "4-turn episodes, samples/s with KV reuse over without [95% interval]",
+                 ">=", 1.3, interval="multiturn_reuse_over_no_reuse_ci95"),
+        Headline("group_reuse_over_no_reuse", "single turn G=8, samples/s with prefix sharing over without [95% interval]",
+                 ">=", 1.15, interval="group_reuse_over_no_reuse_ci95"),
+        Headline("multiturn_identical_tokens", "same tokens with and without reuse, same seed", "==", True),
+        Headline("multiturn.kv_retained_peak_bytes", "kept KV peak, bytes (goal: within the budget)", "<=",
+                 "multiturn.kv_budget_bytes"),
+    ),
     "sandbox": (
         Headline("episode.median_ms", "sandboxed episode start + run + close, median ms", "<=", "goal_ms",
                  limit="plain.median_ms", limit_label="plain subprocess"),

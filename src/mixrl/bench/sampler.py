@@ -111,6 +111,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fields even if vLLM is installed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workload", choices=("throughput", "multiturn"), default="throughput",
+                        help="'multiturn': KV reuse on vs off, multi-turn and G-sample workloads (bench/sampler_reuse.py)")
+    from mixrl.bench import sampler_reuse
+
+    sampler_reuse.configure(parser)
 
 
 def _bundled_if_built() -> Path | None:
@@ -438,7 +443,16 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"mixrl bench sampler: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
             return 2
-    out = run(args)
+    if args.workload == "multiturn":
+        from mixrl.bench import sampler_reuse
+
+        bad = sampler_reuse.check(args)
+        if bad:
+            print(f"mixrl bench sampler: {bad}")
+            return 2
+        out = sampler_reuse.run(args)
+    else:
+        out = run(args)
     if args.json:
         print(json.dumps(out))
     else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import sys
@@ -43,6 +44,9 @@ from mixrl.fleet.handles import SamplerHandle, Superseded
 from mixrl.fleet.router import CATCHING_UP, DRAINING, FAILED, READY, NoReplicaAvailable, Router
 from mixrl.fleet.weights import WeightStore
 from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
+
+# per result (GenerationResult.timings), summed per group into sampler/<key>/<group>
+KV_METRICS = ("prefill_tokens", "reused_tokens", "kv_evictions", "reused_stale_tokens")
 
 RETRYABLE_FINISH = ("numerical_error", "error")
 MakeReplica = Callable[[str, str], Awaitable[SamplerHandle]]  # (group, replica name) -> handle
@@ -111,6 +115,7 @@ class Fleet:
         self.wait_for_replica_s = wait_for_replica_s
         self.health_s = health_s  # how often serving replicas are asked whether they live (0: never)
         self.counts = {"replica_failures": 0, "malformed_results": 0, "retried_requests": 0, "sampler_errors": 0}
+        self.kv_counts: dict[str, dict[str, float]] = {}  # group -> the engines' KV accounting, summed
         self._changed = asyncio.Event()  # set whenever a replica becomes ready
         self.closed = False
 
@@ -322,6 +327,8 @@ class Fleet:
 
         ``min_version``: only a replica serving that weights version or a newer one
         generates it (staleness admission: the prompt's tokens must be trainable)."""
+        if not request.session:  # the engine may keep the session's KV between its turns
+            request = dataclasses.replace(request, session=session)
         tried: set[str] = set()
         last_error = ""
         last_result: GenerationResult | None = None
@@ -354,6 +361,9 @@ class Fleet:
                 last_error, last_result = f"{info.name}: {res.finish_reason} {res.error}", res
                 continue
             info.served += 1
+            kv = self.kv_counts.setdefault(res.group, dict.fromkeys(KV_METRICS, 0.0))
+            for k in KV_METRICS:
+                kv[k] += res.timings.get(k, 0.0)
             return res
         if last_result is not None:
             return last_result  # the session records it as infra_failed with the engine's reason
@@ -365,6 +375,8 @@ class Fleet:
     # -- reporting -------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:
         out = {f"fleet/{k}": float(v) for k, v in self.counts.items()}
+        for g, kv in self.kv_counts.items():  # totals since the start (built-in engine: prefix_cache)
+            out.update({f"sampler/{k}/{g}": v for k, v in kv.items()})
         for g in self.specs:
             out[f"fleet/replicas/{g}"] = float(len(self.router.ready(g)))
             out[f"fleet/inflight/{g}"] = float(self.router.inflight(g))

@@ -60,6 +60,7 @@ class GenerationRequest:
     prompt_ids: list[int]  # the whole prefix (a partial rollout continues any prefix)
     params: SamplingParams
     request_id: str = ""
+    session: str = ""  # the conversation it continues: an engine may keep its KV between requests
 
 
 @dataclass

@@ -92,6 +92,16 @@ class Profile(BaseModel):
         description="built-in engine: token budget of one decoded batch (rows x context), bounding "
         "its KV cache whatever the number of sessions; None = max_batch rows only",
     )
+    kv_retain_bytes: int = Field(
+        64 << 20, ge=0, le=1 << 40,
+        description="built-in engine: bytes of sessions' KV kept between their requests (least "
+        "recently used dropped first), so a next turn prefills only its new tokens; 0 = none",
+    )
+    kv_reuse_across_versions: bool = Field(
+        False,
+        description="built-in engine: reuse a session's kept KV after a weights update (else it is "
+        "dropped); its tokens are counted per result as reused_stale_tokens, a mismatch it adds",
+    )
 
     @field_validator("weight_format")
     @classmethod

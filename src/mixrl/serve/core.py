@@ -145,7 +145,7 @@ class ServeCore:
     async def _choices(self, session: str, base: Trajectory, params: SamplingParams, n: int) -> list[GenerationResult]:
         reqs = [GenerationRequest(list(base.tokens), params if params.seed is None or i == 0 else
                                   SamplingParams(**{**params.__dict__, "seed": (params.seed + i) & 0xFFFFFFFF}),
-                                  request_id=f"{session}/{len(base.tokens)}/{i}") for i in range(n)]
+                                  request_id=f"{session}/{len(base.tokens)}/{i}", session=session) for i in range(n)]
         if n == 1:
             results = [await self.generate(session, reqs[0])]
         else:

@@ -8,6 +8,9 @@ Two paths (``forward=``): ``"fast"``, the hand-fused Qwen3 kernels
 (``fast``/``qwen3_forward``), and ``"generic"``, the HF model's own modules with
 the formats applied in place (``generic``); ``"auto"`` (default) takes the fast
 path where it applies (``fast.applies``) and the generic one otherwise.
+KV is computed once where it can be (``prefix_cache``): a cohort's identical prompts
+share one prefill, and a session's KV is kept between its requests (LRU under
+``kv_retain_bytes``), so its next turn prefills only its new tokens.
 MoE models (generic path) also record, per generated token, the top-k experts
 each layer routed the position that produced it to (``routed_experts``).
 
@@ -41,6 +44,7 @@ import torch
 from mixrl.sampling.base import Engine, FinishReason, GenerationRequest, GenerationResult
 from mixrl.sampling.builtin import fast
 from mixrl.sampling.builtin.precision import from_profile
+from mixrl.sampling.builtin.prefix_cache import PrefixStore
 from mixrl.sampling.builtin.running import Running
 
 _MASK64 = (1 << 64) - 1
@@ -91,6 +95,10 @@ class BuiltinEngine(Engine):
         stop_on_eos: also stop on the model's EOS ids (generation_config, else config).
         forward: ``"auto"`` | ``"fast"`` (Qwen3 only) | ``"generic"`` (see module doc);
             ``path_name`` says which one runs.
+        prefix_reuse: prefill a cohort's identical prompts once and reuse a session's KV
+            across its requests (``prefix_cache``; generic path: full-attention models only).
+        kv_retain_bytes: byte budget of the sessions' KV kept between requests (LRU); None =
+            ``profile.kv_retain_bytes``; 0 keeps none (prefix sharing within a cohort stays).
 
     Decoding runs in ``running.Running``: rows that finish leave at once and are
     dropped from the tensors once a quarter of the batch has finished, so long tails
@@ -112,6 +120,8 @@ class BuiltinEngine(Engine):
         stop_on_eos: bool = True,
         forward: str = "auto",
         max_batch_tokens: int | None = None,
+        prefix_reuse: bool = True,
+        kv_retain_bytes: int | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -161,6 +171,11 @@ class BuiltinEngine(Engine):
             self._weights = self.path.build(hf.state_dict())
         del hf
         self.path_name = self.path.name
+        # KV reuse (prefix_cache): a cohort's identical prompts prefilled once, sessions' KV kept
+        self.prefix_reuse = prefix_reuse and getattr(self.path, "reuses_kv", True)
+        budget = kv_retain_bytes if kv_retain_bytes is not None else getattr(profile, "kv_retain_bytes", 0)
+        across = bool(getattr(profile, "kv_reuse_across_versions", False))
+        self.kv_store = PrefixStore(budget, across) if self.prefix_reuse and budget > 0 else None
         self.vocab = self.path.vocab
         self._vocab_ids = list(range(self.vocab))  # the support when nothing is truncated
         self.version = 0  # the checkpoint at model_path; load_weights sets the trainer's versions
@@ -173,6 +188,8 @@ class BuiltinEngine(Engine):
         with torch.inference_mode():
             w = self.path.build(state_dict)
         self._weights, self.version = w, version  # a running batch keeps its own reference
+        if self.kv_store is not None:
+            self.kv_store.drop_older(version)
 
     # --------------------------------------------------------------- generation
     def seed_for(self, r: GenerationRequest) -> int:

@@ -16,7 +16,11 @@ A *path* is what ``BuiltinEngine`` decodes with. Both paths (this one and
   column ``col - 1``; the old rows' columns move right by ``shift`` (when the new
   prompts are longer than ``col``); ``batch.trim(cols)`` -> columns forgotten: leading
   columns that are padding for every row; ``batch.can_absorb`` says whether rows can join;
-- ``logits(w, hidden)`` -> float32 [b, V].
+- ``logits(w, hidden)`` -> float32 [b, V];
+- ``begin(..., prefix, rows)`` reuses KV (``prefix_cache``): ``prefix`` = (col0, per row the
+  keys and values [2 layers, Hkv, col0 - start, D] of its columns [start, col0), or None), so
+  only columns [col0, P) are computed; ``rows`` [R]: the batch has R rows, row i a copy of
+  prefilled row ``rows[i]``; ``batch.row_kv(j, c0, c1)``: row j's stored keys and values.
 
 This path applies only to ``model_type == "qwen3"`` (``applies``); every other
 causal LM runs on the generic path.
@@ -61,20 +65,39 @@ class FastPath:
             self._rope = qf.rope_tables(self.shape, self.rope_len, self.prec.dtype)
         return qf.build_weights(state_dict, self.shape, self.prec, self.rope_len, self.max_batch, self._rope)
 
-    def begin(self, w: qf.Weights, ids: torch.Tensor, start: torch.Tensor, length: int) -> tuple[Any, torch.Tensor]:
+    def begin(
+        self, w: qf.Weights, ids: torch.Tensor, start: torch.Tensor, length: int,
+        prefix: tuple[int, list[torch.Tensor | None]] | None = None, rows: torch.Tensor | None = None,
+    ) -> tuple[Any, torch.Tensor]:
         B, P = ids.shape
+        R = B if rows is None else len(rows)  # rows of the batch (``rows``: copies of the prefilled ones)
         shape, prec = self.shape, self.prec
         col = torch.arange(P)
         pos = (col[None, :] - start[:, None]).clamp(min=0)  # [B, P]
         # may attend: real key columns up to the query; padded queries attend to themselves only
         mask = (col[None, None, :] >= start[:, None, None]) & (col[None, None, :] <= col[None, :, None])
         mask |= torch.eye(P, dtype=torch.bool)[None]
-        n = B * shape.kv_heads * length * shape.head_dim
+        n = R * shape.kv_heads * length * shape.head_dim
         base, flat = self._pool.take(2 * shape.layers * n, prec.dtype)
-        bufs = [t.view(B, shape.kv_heads, length, shape.head_dim) for t in flat.split(n)]
-        cache = KVCache(shape.layers, B, shape.kv_heads, length, shape.head_dim, prec.dtype, prec.kv, bufs)
+        every = flat.view(2 * shape.layers, R, shape.kv_heads, length, shape.head_dim)  # keys, then values
+        cache = KVCache(shape.layers, R, shape.kv_heads, length, shape.head_dim, prec.dtype, prec.kv, list(every))
+        cache.rows = B
         weakref.finalize(cache, self._pool.give, base)  # back to the pool when the batch is dropped
-        hidden = qf.forward(w, shape, prec, cache, ids, pos, 0, mask.unsqueeze(1))  # [B, H]
+        col0 = 0
+        if prefix is not None:  # reused columns [start, col0) of each row, as stored (see prefix_cache)
+            col0, kvs = prefix
+            every[:, :B, :, :col0] = 0  # the padding before them: finite
+            for u, kv in enumerate(kvs):
+                if kv is not None:
+                    every[:, u, :, col0 - kv.shape[2] : col0] = kv
+            mask = mask[:, col0:]  # [B, T, P]: the new tokens' queries
+            if P - col0 == 1:  # one query: the decode kernel's additive bias
+                mask = torch.zeros(mask.shape, dtype=prec.dtype).masked_fill_(~mask, float("-inf"))
+        hidden = qf.forward(w, shape, prec, cache, ids[:, col0:], pos[:, col0:], col0, mask.unsqueeze(1))  # [B, H]
+        if rows is not None:  # prefix sharing: each request's row copies its prompt's
+            every[:, :R, :, :P] = every[:, :B, :, :P].index_select(1, rows)
+            cache.rows = R
+            hidden = hidden.index_select(0, rows)
         return _FastBatch(w, shape, prec, cache), hidden
 
     def logits(self, w: qf.Weights, hidden: torch.Tensor) -> torch.Tensor:
@@ -139,3 +162,8 @@ class _FastBatch:
 
     def routing(self) -> None:
         return None
+
+    def row_kv(self, j: int, c0: int, c1: int) -> torch.Tensor:
+        """Row ``j``'s keys and values at logical columns [c0, c1): [2 layers, Hkv, c1 - c0, D], a copy."""
+        o = self.cache.origin
+        return torch.stack([t[j, :, o + c0 : o + c1] for t in self.cache.k + self.cache.v])

@@ -60,6 +60,8 @@ class GenericPath:
                        for p, t in m.named_parameters(recurse=False) if t.dim() == 3}  # fmt: skip
         self.head_name = f"{names[head]}.weight"
         self.has_moe = any(is_router(m) for m in model.modules())
+        # KV reuse (prefix sharing, session caches) copies plain full-attention layers only
+        self.reuses_kv = all(type(x) is GrowingLayer for x in QuantizedKVCache(None, self.cfg).layers)
         self._routes: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ weights
@@ -101,13 +103,37 @@ class GenericPath:
                 mod.register_forward_hook(lambda _m, _a, o: self._routes.append(o[2].detach()))
 
     # --------------------------------------------------------------- generation
-    def begin(self, m: nn.Module, ids: torch.Tensor, start: torch.Tensor, length: int) -> tuple[Any, torch.Tensor]:
+    def begin(
+        self, m: nn.Module, ids: torch.Tensor, start: torch.Tensor, length: int,
+        prefix: tuple[int, list[torch.Tensor | None]] | None = None, rows: torch.Tensor | None = None,
+    ) -> tuple[Any, torch.Tensor]:
+        """See ``fast``; ``prefix`` and ``rows`` need ``reuses_kv`` (full-attention layers only)."""
         B, P = ids.shape
         col = torch.arange(P)
         am = (col[None, :] >= start[:, None]).long()  # [B, P] 1 on real tokens
         pos = (col[None, :] - start[:, None]).clamp(min=0)
-        batch = _GenericBatch(self, m, QuantizedKVCache(self.prec.kv, self.cfg, length), am)
-        return batch, batch.forward(ids, pos)
+        cache = QuantizedKVCache(self.prec.kv, self.cfg, length)
+        batch = _GenericBatch(self, m, cache, am)
+        col0 = 0
+        if prefix is not None:  # reused columns [start, col0) of each row, stored as they were written
+            col0, kvs = prefix
+            some = next(kv for kv in kvs if kv is not None)  # [2 layers, Hkv, r, D]
+            past = some.new_zeros((some.shape[0], B, some.shape[1], col0, some.shape[3]))
+            for u, kv in enumerate(kvs):
+                if kv is not None:
+                    past[:, u, :, col0 - kv.shape[2] :] = kv
+            n = len(cache.layers)
+            for li, layer in enumerate(cache.layers):  # the layer's own write: no second quantization
+                layer.update(past[li], past[n + li])
+        hidden = batch.forward(ids[:, col0:], pos[:, col0:])
+        if rows is not None:  # prefix sharing: each request's row copies its prompt's
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.index_select(0, rows), layer.values.index_select(0, rows)
+            batch.am = am.index_select(0, rows)
+            if batch._route is not None:
+                batch._route = batch._route.index_select(0, rows)
+            hidden = hidden.index_select(0, rows)
+        return batch, hidden
 
     def logits(self, m: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         return m.get_output_embeddings()(hidden).float()
@@ -175,3 +201,8 @@ class _GenericBatch:
 
     def routing(self) -> torch.Tensor | None:
         return self._route
+
+    def row_kv(self, j: int, c0: int, c1: int) -> torch.Tensor:
+        """Row ``j``'s keys and values at columns [c0, c1): [2 layers, Hkv, c1 - c0, D], a copy."""
+        layers = self.cache.layers
+        return torch.stack([x.keys[j, :, c0:c1] for x in layers] + [x.values[j, :, c0:c1] for x in layers])

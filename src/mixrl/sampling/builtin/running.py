@@ -14,7 +14,10 @@ feeds the tokens through the model. Between steps:
   left-padded to end at the batch's current column, and absorbed into the batch's
   KV cache (``batch.absorb``); when they are longer than the columns so far, the
   old rows' columns move right (more leading padding, masked). Leading columns
-  that are padding for every row are trimmed when rows leave.
+  that are padding for every row are trimmed when rows leave;
+- KV reuse (``prefix_cache``, ``engine.prefix_reuse``): rows admitted together with the same
+  prompt are prefilled once, a session's kept columns are copied in rather than computed,
+  and a row that finishes with a stop or its length leaves its columns to its session.
 
 Guarantees, as for one batch: a request draws its uniforms from its own generator
 (``params.seed``, else ``request_seed(engine seed, j)`` for the j-th request the
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 
 from mixrl.sampling.base import FinishReason, GenerationRequest, GenerationResult
+from mixrl.sampling.builtin import prefix_cache
 from mixrl.sampling.builtin.sample import draw, sampling_logprobs
 
 
@@ -51,7 +55,7 @@ class _Row:
     """Output being built for one request of a running batch."""
 
     __slots__ = ("key", "req", "stops", "limit", "ids", "lps", "offs", "cids", "clps", "finish", "nonfinite",
-                 "error", "stride", "routes", "buf", "bi", "cohort")  # fmt: skip
+                 "error", "stride", "routes", "buf", "bi", "cohort", "kv")  # fmt: skip
 
     def __init__(self, key: Any, req: GenerationRequest, stops: frozenset[int], limit: int) -> None:
         self.key, self.req, self.stops, self.limit = key, req, stops, limit
@@ -68,6 +72,7 @@ class _Row:
         self.bi = 0
         self.routes: list[list[list[int]]] = []  # MoE: per token [layers][k] experts
         self.cohort: dict[str, float] = {}  # timings of the prefill it joined with
+        self.kv: dict[str, float] = {}  # its prompt's KV: prefilled, reused (prefix_cache), evictions
 
     def push(self, tok: int, lp: float) -> None:
         self.ids.append(tok)
@@ -164,6 +169,20 @@ class Running:
             ids[i, P - lens[i] :] = torch.tensor(r.prompt_ids)
         L = torch.tensor(lens)
         start = P - L
+        # KV reuse (prefix_cache): identical prompts prefilled once, a session's kept columns copied
+        pl = prefix_cache.plan(e.kv_store, reqs, self.version) if e.prefix_reuse else None
+        if pl is not None:
+            for row, st in zip(rows, pl.stats, strict=True):
+                row.kv = st
+            if pl.rows is not None:
+                ids, start_u = ids[pl.uniq], start[pl.uniq]
+            else:
+                start_u = start
+            reuse = {"prefix": pl.prefix, "rows": pl.rows}
+        else:
+            start_u, reuse = start, {}
+            for row, n in zip(rows, lens, strict=True):
+                row.kv = {"prefill_tokens": float(n), "reused_tokens": 0.0, "kv_evictions": 0.0}
         new = {
             "L": L,
             "start": start,
@@ -174,11 +193,11 @@ class Running:
                               for _, _, s in take]),  # fmt: skip
         }
         if self.batch is None:  # the first rows: the batch is their prefill
-            self.batch, self.hidden = e.path.begin(self.w, ids, start, P + N)
+            self.batch, self.hidden = e.path.begin(self.w, ids, start_u, P + N, **reuse)
             self.col, self.t = P, new
         else:
             need = max([N] + [row.limit - len(row.ids) for row in self.rows])
-            other, hidden = e.path.begin(self.w, ids, start, P)
+            other, hidden = e.path.begin(self.w, ids, start_u, P, **reuse)
             shift = self.batch.absorb(other, self.col, need, e.max_batch)
             self.col += shift
             t = self.t
@@ -241,10 +260,12 @@ class Running:
                 if row.finish is None:
                     row.routes.append(r)
         out = []
-        for row, tk, v, was in zip(rows, tok.tolist(), lp.tolist(), live, strict=True):
+        for j, (row, tk, v, was) in enumerate(zip(rows, tok.tolist(), lp.tolist(), live, strict=True)):
             if row.finish is None:
                 row.push(tk, v)
             if was and row.finish is not None:  # finished this step (a stop, the limit, a non-finite logit)
+                if row.req.session and e.kv_store is not None and row.finish in ("stop", "length"):
+                    self._keep(j, row)
                 out.append((row.key, self._result(row)))
         done = sum(row.finish is not None for row in rows)
         if done == len(rows):
@@ -258,6 +279,18 @@ class Running:
         self.hidden = self.batch.step(tok, pos, self.col, start, bool(start.max() > 0))  # written at column col
         self.col += 1
         return out
+
+    def _keep(self, j: int, row: _Row) -> None:
+        """Keep row ``j``'s columns for its session's next request (``prefix_cache``): its prompt
+        and every generated token but the last (sampled, never fed)."""
+        c0 = int(self.t["start"][j])
+        tokens = row.req.prompt_ids + row.ids[:-1]
+        if self.col - c0 != len(tokens):  # not the columns this row wrote: keep nothing
+            return
+        entry = prefix_cache.Entry(tokens, self.batch.row_kv(j, c0, self.col), self.version)
+        if row.kv.get("reused_stale_tokens"):
+            entry.version -= int(row.kv["reused_stale_versions"])
+        row.kv["kv_evictions"] = float(self.e.kv_store.put(row.req.session, entry))
 
     def _record(self, logq: torch.Tensor, keep: torch.Tensor | None) -> None:
         """Append this step's candidates of q to every running row (vectorized per kind)."""
@@ -315,7 +348,7 @@ class Running:
         c = row.cohort
         # batch_size: rows decoding once it joined; joined: rows prefilled with it
         timings = {"prefill_s": c["prefill_s"], "decode_s": time.perf_counter() - c["t1"],
-                   "batch_size": c["batch_size"], "joined": c["joined"]}  # fmt: skip
+                   "batch_size": c["batch_size"], "joined": c["joined"], **row.kv}  # fmt: skip
         return GenerationResult(
             token_ids=row.ids,
             logprobs=row.lps,

@@ -184,6 +184,7 @@ class VLLMEngine(Engine):
         weights_dir: str | None = None,
         kv_cache_bytes: int | None = None,
         max_support_vocab: int = 4096,
+        prefix_caching: bool = True,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -212,6 +213,7 @@ class VLLMEngine(Engine):
         )
         self.vocab, self.tied = shape["vocab"], shape["tied"]
         self.max_support_vocab = max_support_vocab
+        self.prefix_caching = prefix_caching  # vLLM's automatic prefix caching, reset on every weights load
         self.eos_ids = eos_ids(model_path) if stop_on_eos else frozenset()
         self._names = checkpoint_names(model_path)
         # MoE: vLLM returns the experts each position was routed to where it can
@@ -257,7 +259,9 @@ class VLLMEngine(Engine):
             max_logprobs=-1,  # allow the whole distribution for record="support"
             logprobs_mode="processed_logprobs",  # log q after temperature / top-k / top-p
             enforce_eager=self.platform.kind == "cpu",  # GPUs keep CUDA graphs
-            enable_prefix_caching=False,  # cached KV would outlive a weight update
+            # a shared prompt or a session's earlier turns are not prefilled again; the cached
+            # blocks are dropped with every weights load (_rpc), so none outlives its version
+            enable_prefix_caching=self.prefix_caching,
             generation_config="vllm",  # no sampling defaults from the checkpoint
             seed=self.seed % 2**32,  # vLLM takes a 32-bit seed; run seeds may be wider
             disable_log_stats=True,
@@ -358,6 +362,8 @@ class VLLMEngine(Engine):
                 raise ReplicaFailure(f"vLLM engine of group {self.group!r} is closed")
             try:
                 self._llm.collective_rpc("reload_weights", kwargs=kwargs)
+                if self.prefix_caching:
+                    self._llm.reset_prefix_cache()
             except Exception as e:
                 raise ReplicaFailure(
                     f"vLLM weight reload failed in group {self.group!r}: {e}"
