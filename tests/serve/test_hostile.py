@@ -119,7 +119,8 @@ def test_failed_requests_leave_no_session(tiny: Path) -> None:
 
     core.generate = failing
     long = {"messages": [{"role": "user", "content": "x" * 500}]}  # past the 400-token context
-    bad = [(long, ApiError), ({**MSG, "stop": [""]}, ApiError), ({**MSG, "stop": 5}, ApiError),
+    longer = {"messages": [{"role": "user", "content": "x" * 6000}]}  # refused before tokenizing
+    bad = [(long, ApiError), (longer, ApiError), ({**MSG, "stop": [""]}, ApiError), ({**MSG, "stop": 5}, ApiError),
            ({**MSG, "seed": 666}, RuntimeError), ({**MSG, "n": 2, "seed": 665}, RuntimeError),
            ({"messages": [{"role": "wizard", "content": "hi"}]}, ApiError)]
 

@@ -128,6 +128,18 @@ def _text(content: Any) -> str:
     raise ValueError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
 
 
+def content_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the messages' contents: their tokens are at least this over the longest token's length."""
+    n = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, dict))
+    return n
+
+
 def _args(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:

@@ -41,7 +41,7 @@ from mixrl.rollout.session import _append_env
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 from mixrl.serve import toolcalls
-from mixrl.serve.conversation import SessionStore
+from mixrl.serve.conversation import SessionStore, content_chars
 from mixrl.serve.stops import cut
 
 Generate = Callable[[str, GenerationRequest], Awaitable[GenerationResult]]
@@ -90,6 +90,9 @@ class ServeCore:
         self.record, self.tool_parser = record, tool_parser
         self.sessions = SessionStore(chat, ttl=session_ttl, max_sessions=max_sessions)
         self.stop_ids = chat.stop_ids  # a property that builds its tuple on every read
+        # the longest token's text (its vocabulary string: a byte-level token's string has a character
+        # per byte): text longer than the context times this cannot fit, and is refused untokenized
+        self.token_chars = max(1, max(map(len, chat.tokenizer.get_vocab()), default=1))
         self.counts = {"requests": 0, "errors": 0, "generated_tokens": 0}
         # response ids: unique per server (a random prefix, then a counter), without a
         # system call per request as uuid4 makes
@@ -135,6 +138,10 @@ class ServeCore:
 
     def _reply_decode(self, ids: list[int]) -> str:
         return self.chat.decode(ids, skip_special=True)  # reply_text: stop ids are special tokens
+
+    def _too_long(self, param: str, chars: int) -> ApiError:
+        return ApiError(400, f"the {param} hold {chars} characters: more than this endpoint's context of "
+                             f"{self.max_total_tokens} tokens can hold", param=param, code="context_length_exceeded")
 
     def _logprobs(self, res: GenerationResult, ids: list[int], top: int) -> dict[str, Any]:
         content = []
@@ -187,6 +194,9 @@ class ServeCore:
     async def _chat(self, body: dict[str, Any], session: str, st: Any, ephemeral: bool, messages: list[Any],
                     tools: list[Any] | None, parser: str, top: int, heavy: bool) -> dict[str, Any]:
         async with st.lock:
+            if content_chars(messages) > self.max_total_tokens * self.token_chars:
+                st.truncated = True
+                raise self._too_long("messages", content_chars(messages))
             try:
                 if heavy:  # templating and tokenizing a large body: off the event loop
                     base = await asyncio.to_thread(self.sessions.prompt, st, session, messages, tools)
@@ -234,6 +244,8 @@ class ServeCore:
             if any(not 0 <= t < vocab for t in ids):
                 raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         elif isinstance(prompt, str) and prompt:
+            if len(prompt) > self.max_total_tokens * self.token_chars:
+                raise self._too_long("prompt", len(prompt))
             ids = await asyncio.to_thread(self.chat.encode, prompt) if heavy else self.chat.encode(prompt)
         else:
             raise ApiError(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
