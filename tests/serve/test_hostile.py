@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import json
+import socket
 import threading
 import time
 import tracemalloc
@@ -68,8 +69,11 @@ def test_body_limit_after_the_key_and_before_reading(tiny: Path) -> None:
 
 
 def test_wrong_key_with_a_large_body_allocates_nothing_on_a_real_server(tiny: Path) -> None:
-    """uvicorn on loopback; a 48 MiB body streamed with a wrong key: Python's allocation peak
-    (tracemalloc: every bytes object the server would buffer) stays far below the body's size."""
+    """uvicorn on loopback; a 48 MiB body declared with a wrong key, then with the right key:
+    answered (401, 413) as soon as the headers arrived, the connection closed, so the client
+    cannot stream the body; Python's allocation peak (tracemalloc: every bytes object the
+    server would buffer) stays far below the body's size. A refused small body keeps its
+    connection alive."""
     import uvicorn
 
     from mixrl.serve.app import loopback_socket, make_app, server_options
@@ -85,22 +89,31 @@ def test_wrong_key_with_a_large_body_allocates_nothing_on_a_real_server(tiny: Pa
         time.sleep(0.01)
     piece, n = b"x" * (1 << 20), 48
     try:
-        for key, size, want in (("bad", n << 20, 401), ("k", n << 20, 413)):
+        for key, want in (("bad", 401), ("k", 413)):
             tracemalloc.start()
-            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-            conn.putrequest("POST", "/v1/chat/completions")
-            conn.putheader("Authorization", f"Bearer {key}")
-            conn.putheader("Content-Length", str(size))
-            conn.endheaders()
-            for _ in range(n):
-                conn.send(piece)
-            r = conn.getresponse()
-            status, out = r.status, json.loads(r.read())
+            conn = socket.create_connection(("127.0.0.1", port), timeout=60)
+            conn.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n"
+                         f"Content-Length: {n << 20}\r\n\r\n".encode())
+            r = http.client.HTTPResponse(conn)  # answered before any of the body was sent
+            r.begin()
+            status, closing, out = r.status, r.getheader("connection"), json.loads(r.read())
+            sent = 0
+            with pytest.raises(OSError):  # the server closed the connection: the body cannot follow
+                for _ in range(n):
+                    conn.sendall(piece)
+                    sent += 1
+                    time.sleep(0.01)
             conn.close()
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
-            assert status == want and out["error"]["message"]
+            assert (status, closing) == (want, "close") and out["error"]["message"] and sent < n
             assert peak < 8 << 20, peak  # the body (48 MiB) was never buffered
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        for _ in range(2):  # a small refused body: read and discarded, the connection kept
+            conn.request("POST", "/v1/chat/completions", body=b"x" * 1000, headers={"Authorization": "Bearer no"})
+            r = conn.getresponse()
+            assert r.status == 401 and r.getheader("connection") is None and r.read()
+        conn.close()
     finally:
         server.should_exit = True
         thread.join(timeout=10)

@@ -27,7 +27,9 @@ Bodies are bounded (``max_body`` bytes, 4 MiB by default) and read only after th
 API key was checked: a wrong key is answered 401 without reading the body, a
 ``Content-Length`` past the limit 413 without reading it, and a body sent without
 one (chunked) is counted as it arrives and answered 413 once past the limit
-(uvicorn discards what the client still sends). A body above ``OFFLOAD_BYTES`` is
+(uvicorn discards what the client still sends; past ``UNREAD_CLOSE`` unread bytes,
+or an unknown number, the answer closes the connection instead, as Go's net/http
+does, so nobody streams gigabytes for the server to discard). A body above ``OFFLOAD_BYTES`` is
 parsed, templated and tokenized in a worker thread (the tokenizer's batch call
 releases the interpreter lock), so ``/health`` and small requests are answered
 meanwhile.
@@ -52,6 +54,8 @@ from mixrl.serve.core import ApiError, ServeCore
 SESSION_HEADER = b"x-session-id"  # or the body's "user" field
 MAX_BODY = 4 << 20  # bytes: the default body limit
 OFFLOAD_BYTES = 64 << 10  # a body past this is parsed and tokenized off the event loop
+UNREAD_CLOSE = 256 << 10  # a refused body of more (or of unknown size) ends the connection
+CLOSE = [(b"connection", b"close")]
 
 dumps, loads = orjson.dumps, orjson.loads
 log = logging.getLogger("mixrl.serve")
@@ -178,8 +182,8 @@ class _Generation:
                 length = int(value) if value.isdigit() else None  # the HTTP parser rejects a malformed one
         refused = self.refuse(auth, length)
         if refused is not None:  # the body is never read
-            return await _send(send, *refused)
-        limit = self.max_body
+            return await _send(send, *refused, CLOSE if length is None or length > UNREAD_CLOSE else ())
+        limit, over = self.max_body, []
 
         async def read() -> bytes:
             chunks, size = [], 0
@@ -190,6 +194,7 @@ class _Generation:
                 chunk = msg.get("body", b"")
                 size += len(chunk)
                 if size > limit:  # a body without Content-Length: stop reading once past the limit
+                    over.append(True)
                     raise _too_large(limit)
                 chunks.append(chunk)
                 if not msg.get("more_body", False):
@@ -199,7 +204,7 @@ class _Generation:
             status, out = await self.run(handle, scope["path"], sid, read)
         except _Gone:
             return  # nobody to answer
-        await _send(send, status, out)
+        await _send(send, status, out, CLOSE if over else ())
 
 
 async def _send(send: Any, status: int, out: Any, extra: list[tuple[bytes, bytes]] = ()) -> None:

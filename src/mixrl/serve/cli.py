@@ -135,7 +135,7 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
         await fleet.close()
 
 
-def _loop_runner() -> Any:
+def loop_runner() -> Any:
     """``uvloop.run`` where uvloop is installed (``uvicorn[standard]``): a cheaper event loop per
     HTTP request; else ``asyncio.run``."""
     try:
@@ -175,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"mixrl serve: {e}".splitlines()[0], file=sys.stderr)
         return 2
     try:
-        _loop_runner()(_serve(args, path, chat, profiles, api_key))
+        loop_runner()(_serve(args, path, chat, profiles, api_key))
     except KeyboardInterrupt:
         return 0
     return 0
