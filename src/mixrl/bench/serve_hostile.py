@@ -9,8 +9,10 @@ Rounds alternate (``--hostile-rounds`` of each, interleaved, so a change of the
 machine's load hits all alike):
 
 - ``quiet``: ``--sessions`` well-formed conversations of ``--turns`` chat
-  requests (``X-Session-ID`` sessions, ``--max-tokens``), each on its own
-  keep-alive connection;
+  requests (``--max-tokens``), each on its own keep-alive connection; each
+  request a session of its own (no ``X-Session-ID``), so what the server keeps
+  after the rounds is only what leaked (the warm-up's conversations are named
+  sessions, kept: the server's state before the rounds);
 - ``hostile``: the same well-formed load, while, until it is done (each attacker
   bounded in count): bodies declaring 64 MiB (8 MiB sent), chunked bodies of
   6 MiB (no ``Content-Length``), 16 MiB bodies with a wrong key, slow bodies
@@ -26,8 +28,7 @@ Reported: p50/p99 latency of the well-formed requests per kind of round and
 ``p99_hostile_over_quiet`` (goal <= 2); this process's RSS (the server's: the
 engine is in its worker) after a warm-up round and after the last round
 (``rss_after_over_before``, goal <= 1.1; the peak sampled every 50 ms);
-``leaked_sessions``: sessions left that are not the well-formed conversations'
-(goal 0); the attackers' requests by status; the 1-minute load average.
+``leaked_sessions``: sessions left beside the warm-up's (goal 0); the attackers' requests by status; the 1-minute load average.
 The model is ``--long-model`` (default ``random:256x4``: a random Qwen3 that
 rarely ends a turn, so long replies are long), or ``--model`` when that is ``none``.
 """
@@ -99,7 +100,8 @@ def _auth(key: str = KEY, **extra: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}", "Content-Type": "application/json", **extra}
 
 
-async def _well_formed(port: int, args: argparse.Namespace, tag: str) -> list[float]:
+async def _well_formed(port: int, args: argparse.Namespace, session: str | None) -> list[float]:
+    """``--sessions`` conversations; named ``{session}-{i}`` sessions, or each request a session of its own."""
     conns = [await _Conn(port).open() for _ in range(args.sessions)]
     lat: list[float] = []
 
@@ -108,7 +110,8 @@ async def _well_formed(port: int, args: argparse.Namespace, tag: str) -> list[fl
         for t in range(args.turns):
             body = json.dumps({"messages": msgs, "max_tokens": args.max_tokens, "seed": i * 100 + t}).encode()
             t0 = time.perf_counter()
-            status, data = await conns[i].post(body, _auth(**{"X-Session-ID": f"s{tag}-{i}"}))
+            named = {"X-Session-ID": f"{session}-{i}"} if session else {}
+            status, data = await conns[i].post(body, _auth(**named))
             lat.append(time.perf_counter() - t0)
             if status != 200:
                 raise RuntimeError(f"a well-formed request got HTTP {status}: {data[:200]!r}")
@@ -218,13 +221,13 @@ async def _client(port: int, args: argparse.Namespace) -> None:
     def say(**kw: Any) -> None:
         print(json.dumps(kw), flush=True)
 
-    await _well_formed(port, args, "warm")
+    await _well_formed(port, args, "warm")  # the sessions the server keeps
     say(event="warmed")
     await asyncio.to_thread(sys.stdin.readline)  # the server has taken its "before" figures
     lat: dict[str, list[float]] = {kind: [] for kind in KINDS}
     seen: Counter = Counter()
     deadline = time.perf_counter() + args.hostile_seconds
-    for r in range(args.hostile_rounds):
+    for _ in range(args.hostile_rounds):
         for kind in KINDS:
             if time.perf_counter() > deadline:
                 break
@@ -233,7 +236,7 @@ async def _client(port: int, args: argparse.Namespace) -> None:
                       if kind != "quiet" else None)
             if attack is not None:
                 await asyncio.sleep(0.2)  # the attackers are on the wire first
-            lat[kind] += await _well_formed(port, args, f"{kind}{r}")
+            lat[kind] += await _well_formed(port, args, None)
             if attack is not None:
                 stop.set()
                 await attack
@@ -321,7 +324,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await sampler.close()
     load.append(round(os.getloadavg()[0], 2))
     lat = out["latencies"]
-    legit = sum(1 for s in core.sessions.sessions if s.startswith("s"))  # the well-formed conversations'
+    legit = sum(1 for s in core.sessions.sessions if s.startswith("warm-"))  # the warm-up's conversations
     p99 = {kind: _p(lat[kind], 0.99) for kind in KINDS}
     return {
         "p99_hostile_over_quiet": round(p99["hostile"] / p99["quiet"], 3),
