@@ -33,7 +33,10 @@ def test_hostile_round_reports_latency_rss_and_no_leaked_session(capsys: pytest.
     for kind in ("past_context", "one_mib_text", "empty_stop", "bad_n", "bad_role", "not_json"):
         assert att.get(f"{kind}:400", 0) >= 1, kind  # refused, never a 500
     assert not any(k.endswith(":500") or k.endswith(":503") for k in att)
-    assert res["rss_before_mb"] > 0 and abs(res["rss_after_over_before"] - res["rss_after_mb"] / res["rss_before_mb"]) < 2e-3
+    for m in ("rss", "anon"):
+        assert res[f"{m}_before_mb"] > 0 and abs(
+            res[f"{m}_after_over_before"] - res[f"{m}_after_mb"] / res[f"{m}_before_mb"]) < 2e-3
+    assert res["anon_before_mb"] <= res["rss_before_mb"] and res["anon_peak_mb"] > 0
 
 
 def test_hostile_flags_are_checked(capsys: pytest.CaptureFixture[str]) -> None:

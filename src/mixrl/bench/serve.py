@@ -53,6 +53,8 @@ average before and after each workload. Two workloads, each stating its model an
   initialised Qwen3 of hidden size 256 and 4 layers on the bundled tokenizer,
   which rarely samples an end of turn) with ``--long-max-tokens`` (64), over
   ``--long-repeats`` rounds (9); ``--long-model none`` skips it.
+
+``--hostile`` runs ``mixrl.bench.serve_hostile`` instead: the endpoint under hostile load.
 """
 
 from __future__ import annotations

@@ -27,7 +27,9 @@ machine's load hits all alike):
 Reported: p50/p99 latency of the well-formed requests per kind of round and
 ``p99_hostile_over_quiet`` (goal <= 2); this process's RSS (the server's: the
 engine is in its worker) after a warm-up round and after the last round
-(``rss_after_over_before``, goal <= 1.1; the peak sampled every 50 ms);
+(``rss_after_over_before``, goal <= 1.1), and its anonymous part alone
+(``anon_*``: the server's own allocations, not the mapped libraries that other
+processes' memory pressure evicts; its peak sampled every 50 ms);
 ``leaked_sessions``: sessions left beside the warm-up's (goal 0); the attackers' requests by status; the 1-minute load average.
 The model is ``--long-model`` (default ``random:256x4``: a random Qwen3 that
 rarely ends a turn, so long replies are long), or ``--model`` when that is ``none``.
@@ -244,10 +246,19 @@ async def _client(port: int, args: argparse.Namespace) -> None:
 
 
 # -- server side (this process) ----------------------------------------------------------
-def _rss() -> int:
-    import psutil
+def _rss() -> tuple[int, int]:
+    """(RSS, its anonymous part) of this process in bytes. The anonymous part is what the
+    server allocated (heap, buffers); the rest is mapped files (libraries), which the kernel
+    drops and reloads under memory pressure from other processes."""
+    try:
+        with open("/proc/self/status") as f:
+            kb = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in f) if k in ("VmRSS", "RssAnon")}
+        return kb["VmRSS"] << 10, kb["RssAnon"] << 10
+    except (OSError, KeyError):
+        import psutil
 
-    return int(psutil.Process().memory_info().rss)
+        rss = int(psutil.Process().memory_info().rss)
+        return rss, rss
 
 
 def _p(xs: list[float], q: float) -> float:
@@ -295,7 +306,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
     async def sample() -> None:
         while True:
-            peak[0] = max(peak[0], _rss())
+            peak[0] = max(peak[0], _rss()[1])
             await asyncio.sleep(0.05)
 
     sampling = asyncio.ensure_future(sample())
@@ -332,8 +343,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "p99_hostile_over_long_replies": round(p99["hostile"] / p99["long_replies"], 3),
         **{kind: {"requests": len(lat[kind]), "p50_ms": _p(lat[kind], 0.5), "p99_ms": p99[kind],
                   "mean_ms": round(statistics.fmean(lat[kind]) * 1e3, 1)} for kind in KINDS},
-        "rss_before_mb": round(before / 2**20, 1), "rss_after_mb": round(after / 2**20, 1),
-        "rss_peak_mb": round(peak[0] / 2**20, 1), "rss_after_over_before": round(after / before, 3),
+        "rss_before_mb": round(before[0] / 2**20, 1), "rss_after_mb": round(after[0] / 2**20, 1),
+        "rss_after_over_before": round(after[0] / before[0], 3),
+        "anon_before_mb": round(before[1] / 2**20, 1), "anon_after_mb": round(after[1] / 2**20, 1),
+        "anon_peak_mb": round(peak[0] / 2**20, 1), "anon_after_over_before": round(after[1] / before[1], 3),
         "leaked_sessions": len(core.sessions.sessions) - legit, "sessions_kept": legit,
         "sessions_evicted": core.sessions.evicted, "attackers": out["attackers"],
         "errors_answered": core.counts["errors"], "rounds": args.hostile_rounds, "sessions": args.sessions,
