@@ -149,6 +149,11 @@ def test_failed_requests_leave_no_session(tiny: Path) -> None:
             await core.chat_completion({**MSG, "stop": [""]}, "kept")
         st = core.sessions.sessions["kept"]  # the same question again: the reply moved to an earlier segment
         assert list(core.sessions.sessions) == ["kept"] and len(st.finished) == 1 and not st.forks
+        # a completion prompt of more ids than the context, or of more characters than it can hold
+        for prompt in ([5] * 401, "x" * 6000):
+            with pytest.raises(ApiError) as e:
+                await core.completion({"prompt": prompt}, None)
+            assert e.value.code == "context_length_exceeded" and e.value.param == "prompt"
 
     asyncio.run(main())
 

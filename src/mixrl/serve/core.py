@@ -139,8 +139,9 @@ class ServeCore:
     def _reply_decode(self, ids: list[int]) -> str:
         return self.chat.decode(ids, skip_special=True)  # reply_text: stop ids are special tokens
 
-    def _too_long(self, param: str, chars: int) -> ApiError:
-        return ApiError(400, f"the {param} hold {chars} characters: more than this endpoint's context of "
+    def _too_long(self, param: str, size: int) -> ApiError:
+        """Refused unread: more characters than the context times the longest token, or more ids."""
+        return ApiError(400, f"the {param} hold {size} characters or ids: more than this endpoint's context of "
                              f"{self.max_total_tokens} tokens can hold", param=param, code="context_length_exceeded")
 
     def _logprobs(self, res: GenerationResult, ids: list[int], top: int) -> dict[str, Any]:
@@ -194,9 +195,10 @@ class ServeCore:
     async def _chat(self, body: dict[str, Any], session: str, st: Any, ephemeral: bool, messages: list[Any],
                     tools: list[Any] | None, parser: str, top: int, heavy: bool) -> dict[str, Any]:
         async with st.lock:
-            if content_chars(messages) > self.max_total_tokens * self.token_chars:
+            chars = content_chars(messages)
+            if chars > self.max_total_tokens * self.token_chars:
                 st.truncated = True
-                raise self._too_long("messages", content_chars(messages))
+                raise self._too_long("messages", chars)
             try:
                 if heavy:  # templating and tokenizing a large body: off the event loop
                     base = await asyncio.to_thread(self.sessions.prompt, st, session, messages, tools)
@@ -238,6 +240,8 @@ class ServeCore:
         if body.get("stream"):
             raise ApiError(400, "stream=true is not supported by this endpoint", param="stream")
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > self.max_total_tokens:
+            raise self._too_long("prompt", len(prompt))
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             vocab = len(self.chat.tokenizer)
