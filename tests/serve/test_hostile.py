@@ -203,3 +203,16 @@ def test_unbounded_store_for_an_in_run_endpoint(tiny: Path) -> None:
         assert list(core.sessions.sessions) == ["episode"]
 
     asyncio.run(main())
+
+
+def test_in_run_endpoint_body_limit_is_an_env_option(tiny: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from mixrl.envs.base import Task
+    from mixrl.envs.chat import ChatFormat
+    from mixrl.serve.agent_env import OpenAIAgentEnv
+
+    chat, task = ChatFormat(AutoTokenizer.from_pretrained(str(tiny))), Task("p", "agent", "train", {})
+    assert OpenAIAgentEnv(task, chat, agent=print, max_body_mib=0.5).max_body == 1 << 19
+    with pytest.raises(ValueError, match="env.options.max_body_mib must be > 0, got 0"):
+        OpenAIAgentEnv(task, chat, agent=print, max_body_mib=0)
