@@ -42,7 +42,7 @@ import hmac
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -80,25 +80,24 @@ def make_app(core: ServeCore, api_key: str | None = None, max_body: int = MAX_BO
         except ApiError as e:
             core.counts["errors"] += 1
             return e.status, e.body()
-        except _Gone:
-            raise
         except Exception:  # noqa: BLE001 - answered as OpenAI does, the traceback kept in the log
             log.exception("internal error answering %s", path)
             return 500, ApiError(500, "internal server error", type_="server_error").body()
 
-    async def generation(handle: Handler, path: str, sid: str | None, read: Any) -> tuple[int, Any]:
+    async def generation(handle: Handler, path: str, sid: str | None, raw: bytes) -> tuple[int, Any]:
         async def work() -> Any:
-            raw = await read()
             heavy = len(raw) > OFFLOAD_BYTES
             body = await asyncio.to_thread(_json_object, raw) if heavy else _json_object(raw)
             return await handle(body, _session(sid, body), heavy)
 
         return await respond(f"POST {path}", work)
 
-    def refuse(auth: bytes, length: int | None) -> tuple[int, Any] | None:
-        """The answer before the body is read: a wrong key, a declared length past the limit."""
+    def refuse(auth: bytes | None, length: int | None) -> tuple[int, Any] | None:
+        """The answer before the body is read (a wrong key, a declared length past the limit), or
+        past the limit while reading (``auth`` None)."""
         try:
-            check_key(auth)
+            if auth is not None:
+                check_key(auth)
             if length is not None and length > max_body:
                 raise _too_large(max_body)
         except ApiError as e:
@@ -124,7 +123,7 @@ def make_app(core: ServeCore, api_key: str | None = None, max_body: int = MAX_BO
         code = {404: "not_found"}.get(e.status_code)
         return answer(e.status_code, ApiError(e.status_code, str(e.detail), code=code).body())
 
-    routes = {"/v1/chat/completions": core.chat_completion, "/v1/completions": core.completion}
+    routes: dict[str, Handler] = {"/v1/chat/completions": core.chat_completion, "/v1/completions": core.completion}
     return _Generation(app, routes, generation, refuse, max_body)
 
 
@@ -134,10 +133,6 @@ Handler = Callable[[dict[str, Any], "str | None", bool], Awaitable[Any]]
 def _too_large(limit: int) -> ApiError:
     return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes",
                     code="request_too_large")
-
-
-class _Gone(Exception):
-    """The client disconnected before its body arrived."""
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -162,7 +157,7 @@ class _Generation:
     """ASGI: POSTs to the generation paths answered from the raw scope; anything else to ``app``."""
 
     def __init__(self, app: Any, routes: dict[str, Handler], run: Callable[..., Awaitable[tuple[int, Any]]],
-                 refuse: Callable[[bytes, int | None], tuple[int, Any] | None], max_body: int) -> None:
+                 refuse: Callable[[bytes | None, int | None], tuple[int, Any] | None], max_body: int) -> None:
         self.app, self.routes, self.run, self.refuse, self.max_body = app, routes, run, refuse, max_body
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -183,31 +178,24 @@ class _Generation:
         refused = self.refuse(auth, length)
         if refused is not None:  # the body is never read
             return await _send(send, *refused, CLOSE if length is None or length > UNREAD_CLOSE else ())
-        limit, over = self.max_body, []
-
-        async def read() -> bytes:
-            chunks, size = [], 0
-            while True:
-                msg = await receive()
-                if msg["type"] == "http.disconnect":
-                    raise _Gone
-                chunk = msg.get("body", b"")
-                size += len(chunk)
-                if size > limit:  # a body without Content-Length: stop reading once past the limit
-                    over.append(True)
-                    raise _too_large(limit)
-                chunks.append(chunk)
-                if not msg.get("more_body", False):
-                    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-        try:
-            status, out = await self.run(handle, scope["path"], sid, read)
-        except _Gone:
-            return  # nobody to answer
-        await _send(send, status, out, CLOSE if over else ())
+        chunks, size, limit = [], 0, self.max_body
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return  # nobody to answer
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > limit:  # a body without Content-Length: no more is read once past the limit
+                code, err = self.refuse(None, size) or (413, {})
+                return await _send(send, code, err, CLOSE)
+            chunks.append(chunk)
+            if not msg.get("more_body", False):
+                break
+        status, out = await self.run(handle, scope["path"], sid, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        await _send(send, status, out)
 
 
-async def _send(send: Any, status: int, out: Any, extra: list[tuple[bytes, bytes]] = ()) -> None:
+async def _send(send: Any, status: int, out: Any, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
     data = dumps(out)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
