@@ -97,7 +97,8 @@ def test_health_answers_within_50ms_under_load(tiny: Path) -> None:
 def test_a_large_conversation_is_tokenized_off_the_event_loop(tiny: Path) -> None:
     """200,000 characters (as many tokens with the bundled tokenizer) under a 100,000-token
     context: tokenized, then refused. The event loop's longest stall while that runs: offloaded
-    (``heavy``, as the app does past ``OFFLOAD_BYTES``) under 50 ms; on the loop, the whole time."""
+    (``heavy``, as the app does past ``OFFLOAD_BYTES``) a few ms on a quiet machine; on the loop,
+    the whole tokenization."""
     import asyncio
 
     from test_endpoint import _core
@@ -128,5 +129,5 @@ def test_a_large_conversation_is_tokenized_off_the_event_loop(tiny: Path) -> Non
 
     off, on = asyncio.run(stall(True)), asyncio.run(stall(False))
     print(f"longest event-loop stall: {off * 1e3:.1f} ms offloaded, {on * 1e3:.1f} ms on the loop")
-    assert off < 0.05 < on
+    assert off < 0.1 and on > 3 * off  # (on a shared 2-core machine at load 40: 41.8 ms against 181.7 ms)
     assert core.sessions.sessions == {}
