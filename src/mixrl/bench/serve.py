@@ -53,6 +53,8 @@ average before and after each workload. Two workloads, each stating its model an
   initialised Qwen3 of hidden size 256 and 4 layers on the bundled tokenizer,
   which rarely samples an end of turn) with ``--long-max-tokens`` (64), over
   ``--long-repeats`` rounds (9); ``--long-model none`` skips it.
+
+``--hostile`` runs ``mixrl.bench.serve_hostile`` instead: the endpoint under hostile load.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ import statistics
 import time
 from typing import Any
 
+from mixrl.bench import serve_hostile
 from mixrl.bench.stats import load_summary, median_interval, round_medians
 
 
@@ -98,6 +101,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: URL, run the client only
     parser.add_argument("--client-kind", default="lean", choices=("lean", "openai"), help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    serve_hostile.configure(parser)
 
 
 async def _direct(chat: Any, sampler: Any, args: argparse.Namespace) -> dict[str, float]:
@@ -317,7 +321,7 @@ def _shape(spec: str) -> tuple[int, int]:
     return hidden, layers
 
 
-def _random_model(spec: str, into: str) -> str:
+def random_model(spec: str, into: str) -> str:
     """``random:HIDDENxLAYERS``: a randomly initialised Qwen3 on the bundled tokenizer, saved in ``into``."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -347,7 +351,7 @@ async def _workload(model: str, max_tokens: int, repeats: int, args: argparse.Na
 
     args = argparse.Namespace(**{**vars(args), "max_tokens": max_tokens, "repeats": repeats})
     with tempfile.TemporaryDirectory() as tmp:
-        path = _random_model(model, tmp) if model.startswith("random:") else str(resolve_model(model))
+        path = random_model(model, tmp) if model.startswith("random:") else str(resolve_model(model))
         chat = ChatFormat(AutoTokenizer.from_pretrained(path))
         n_params = sum(int(v.numel()) for v in _weights(path).values())
         batching = {"max_batch": args.sessions, "max_wait_ms": args.max_wait_ms, "idle_ms": args.idle_ms}
@@ -440,19 +444,21 @@ def main(args: argparse.Namespace) -> int:
     if args.client:  # the endpoint arm's client process
         import sys
 
-        from mixrl.serve.cli import _loop_runner
+        from mixrl.serve.cli import loop_runner
 
         async def ready() -> None:  # tell the server, wait for its go
             print("ready", flush=True)
             await asyncio.to_thread(sys.stdin.readline)
 
         args.ready, args.report = ready, lambda out: print(json.dumps(out), flush=True)
-        _loop_runner()(_CLIENTS[args.client_kind](args.client, args))
+        loop_runner()(_CLIENTS[args.client_kind](args.client, args))
         return 0
     for name in ("sessions", "turns", "max_tokens", "long_max_tokens", "repeats", "long_repeats"):
         if getattr(args, name) < 1:
             print(f"mixrl bench serve: --{name.replace('_', '-')} must be >= 1", flush=True)
             return 2
+    if args.hostile:
+        return serve_hostile.main(args)
     import torch
 
     if args.threads:
@@ -464,9 +470,9 @@ def main(args: argparse.Namespace) -> int:
         for spec in (args.model, args.long_model):
             if spec.startswith("random:"):
                 _shape(spec)
-        from mixrl.serve.cli import _loop_runner
+        from mixrl.serve.cli import loop_runner
 
-        res = _loop_runner()(_run(args))  # the event loop ``mixrl serve`` runs on, for both arms
+        res = loop_runner()(_run(args))  # the event loop ``mixrl serve`` runs on, for both arms
     except ValueError as e:
         if not str(e).startswith("--"):
             raise

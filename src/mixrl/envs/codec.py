@@ -27,6 +27,10 @@ from __future__ import annotations
 
 from typing import Any
 
+# characters: a longer text is encoded by the batch call, which does not hold the interpreter
+# lock (a long text tokenized in a worker thread then leaves the event loop running)
+LONG_TEXT = 1 << 14
+
 
 def _backend(tokenizer: Any) -> tuple[Any, bool, bool]:
     """(the Rust tokenizer or None, encode direct, decode direct)."""
@@ -68,6 +72,8 @@ class Codec:
 
     def encode(self, text: str) -> list[int]:
         if self._encode_direct():
+            if len(text) > LONG_TEXT:  # the batch call releases the interpreter lock while it works
+                return self._b.encode_batch([text], add_special_tokens=False)[0].ids
             return self._b.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

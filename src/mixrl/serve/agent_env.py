@@ -73,10 +73,14 @@ class EndpointEnv(Env):
     The session runner calls ``run_episode`` instead of reset/step; the record of the
     episode's session is the trajectory."""
 
-    def __init__(self, task: Task, chat: Any, *, timeout_s: float = 300.0, model: str = "policy") -> None:
+    def __init__(self, task: Task, chat: Any, *, timeout_s: float = 300.0, model: str = "policy",
+                 max_body_mib: float = 4.0) -> None:
         if not timeout_s > 0:
             raise ValueError(f"env.options.timeout_s must be > 0, got {timeout_s}")
+        if not max_body_mib > 0:  # the endpoint's request body limit (the first episode's starts it)
+            raise ValueError(f"env.options.max_body_mib must be > 0, got {max_body_mib}")
         self.task, self.chat, self.timeout_s, self.model = task, chat, timeout_s, model
+        self.max_body = int(max_body_mib * (1 << 20))
 
     async def play(self, base_url: str, api_key: str, session: str) -> Any:
         """Run the episode against the endpoint; return ``reward`` or ``(reward, info)``."""
@@ -94,7 +98,7 @@ class EndpointEnv(Env):
         from mixrl.serve.endpoint import InRunEndpoint
 
         ep = await InRunEndpoint.get(self.chat, max_total_tokens=max_total_tokens, record=params.record,
-                                     model=self.model)
+                                     model=self.model, max_body=self.max_body)
         turn = 0
 
         def adapt(requested: SamplingParams) -> SamplingParams:
@@ -145,8 +149,8 @@ class OpenAIAgentEnv(EndpointEnv):
     """``agent(client, row)`` with an ``openai.AsyncOpenAI`` client of its own."""
 
     def __init__(self, task: Task, chat: Any, *, agent: Callable[..., Any], timeout_s: float = 300.0,
-                 model: str = "policy") -> None:
-        super().__init__(task, chat, timeout_s=timeout_s, model=model)
+                 model: str = "policy", max_body_mib: float = 4.0) -> None:
+        super().__init__(task, chat, timeout_s=timeout_s, model=model, max_body_mib=max_body_mib)
         self.agent = agent
 
     async def play(self, base_url: str, api_key: str, session: str) -> Any:
@@ -176,7 +180,7 @@ def make_agent_family(name: str) -> Callable[..., OpenAIAgentEnv]:
     """``make_env(task, chat, **options)`` for ``env.name = "openai_agent:SPEC"``."""
     agent = load_agent(name[len(PREFIX):])
 
-    def make_env(task: Task, chat: Any, timeout_s: float = 300.0) -> OpenAIAgentEnv:
-        return OpenAIAgentEnv(task, chat, agent=agent, timeout_s=timeout_s)
+    def make_env(task: Task, chat: Any, timeout_s: float = 300.0, max_body_mib: float = 4.0) -> OpenAIAgentEnv:
+        return OpenAIAgentEnv(task, chat, agent=agent, timeout_s=timeout_s, max_body_mib=max_body_mib)
 
     return make_env

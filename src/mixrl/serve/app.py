@@ -22,15 +22,27 @@ run in sampler worker processes (``mixrl serve``, a run's fleet), so the
 server's Python never holds an engine's interpreter lock. A non-finite number
 (the log-prob of a candidate outside the top-p support is -inf) is written as
 null, which JSON can carry.
+
+Bodies are bounded (``max_body`` bytes, 4 MiB by default) and read only after the
+API key was checked: a wrong key is answered 401 without reading the body, a
+``Content-Length`` past the limit 413 without reading it, and a body sent without
+one (chunked) is counted as it arrives and answered 413 once past the limit
+(uvicorn discards what the client still sends; past ``UNREAD_CLOSE`` unread bytes,
+or an unknown number, the answer closes the connection instead, as Go's net/http
+does, so nobody streams gigabytes for the server to discard). A body above ``OFFLOAD_BYTES`` is
+parsed, templated and tokenized in a worker thread (the tokenizer's batch call
+releases the interpreter lock), so ``/health`` and small requests are answered
+meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import orjson
@@ -40,12 +52,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from mixrl.serve.core import ApiError, ServeCore
 
 SESSION_HEADER = b"x-session-id"  # or the body's "user" field
+MAX_BODY = 4 << 20  # bytes: the default body limit
+OFFLOAD_BYTES = 64 << 10  # a body past this is parsed and tokenized off the event loop
+UNREAD_CLOSE = 256 << 10  # a refused body of more (or of unknown size) ends the connection
+CLOSE = [(b"connection", b"close")]
 
 dumps, loads = orjson.dumps, orjson.loads
 log = logging.getLogger("mixrl.serve")
 
 
-def make_app(core: ServeCore, api_key: str | None = None) -> _Generation:
+def make_app(core: ServeCore, api_key: str | None = None, max_body: int = MAX_BODY) -> _Generation:
     """The ASGI app: the generation routes (``_Generation``) in front of a FastAPI app for the rest."""
     expected = f"Bearer {api_key}".encode() if api_key is not None else None
     app = FastAPI(title="mixrl", openapi_url=None, docs_url=None, redoc_url=None)
@@ -68,13 +84,26 @@ def make_app(core: ServeCore, api_key: str | None = None) -> _Generation:
             log.exception("internal error answering %s", path)
             return 500, ApiError(500, "internal server error", type_="server_error").body()
 
-    async def generation(handle: Handler, path: str, auth: bytes, sid: str | None, raw: bytes) -> tuple[int, Any]:
+    async def generation(handle: Handler, path: str, sid: str | None, raw: bytes) -> tuple[int, Any]:
         async def work() -> Any:
-            check_key(auth)
-            body = _json_object(raw)
-            return await handle(body, _session(sid, body))
+            heavy = len(raw) > OFFLOAD_BYTES
+            body = await asyncio.to_thread(_json_object, raw) if heavy else _json_object(raw)
+            return await handle(body, _session(sid, body), heavy)
 
         return await respond(f"POST {path}", work)
+
+    def refuse(auth: bytes | None, length: int | None) -> tuple[int, Any] | None:
+        """The answer before the body is read (a wrong key, a declared length past the limit), or
+        past the limit while reading (``auth`` None)."""
+        try:
+            if auth is not None:
+                check_key(auth)
+            if length is not None and length > max_body:
+                raise _too_large(max_body)
+        except ApiError as e:
+            core.counts["errors"] += 1
+            return e.status, e.body()
+        return None
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -94,11 +123,16 @@ def make_app(core: ServeCore, api_key: str | None = None) -> _Generation:
         code = {404: "not_found"}.get(e.status_code)
         return answer(e.status_code, ApiError(e.status_code, str(e.detail), code=code).body())
 
-    routes = {"/v1/chat/completions": core.chat_completion, "/v1/completions": core.completion}
-    return _Generation(app, routes, generation)
+    routes: dict[str, Handler] = {"/v1/chat/completions": core.chat_completion, "/v1/completions": core.completion}
+    return _Generation(app, routes, generation, refuse, max_body)
 
 
-Handler = Callable[[dict[str, Any], "str | None"], Awaitable[Any]]
+Handler = Callable[[dict[str, Any], "str | None", bool], Awaitable[Any]]
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes",
+                    code="request_too_large")
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -122,8 +156,9 @@ def _session(header: str | None, body: dict[str, Any]) -> str | None:
 class _Generation:
     """ASGI: POSTs to the generation paths answered from the raw scope; anything else to ``app``."""
 
-    def __init__(self, app: Any, routes: dict[str, Handler], run: Callable[..., Awaitable[tuple[int, Any]]]) -> None:
-        self.app, self.routes, self.run = app, routes, run
+    def __init__(self, app: Any, routes: dict[str, Handler], run: Callable[..., Awaitable[tuple[int, Any]]],
+                 refuse: Callable[[bytes | None, int | None], tuple[int, Any] | None], max_body: int) -> None:
+        self.app, self.routes, self.run, self.refuse, self.max_body = app, routes, run, refuse, max_body
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         handle = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -132,25 +167,35 @@ class _Generation:
         if scope["method"] != "POST":
             out = ApiError(405, "Method Not Allowed").body()
             return await _send(send, 405, out, [(b"allow", b"POST")])
-        auth, sid = b"", None
+        auth, sid, length = b"", None, None
         for name, value in scope["headers"]:  # names are lower-case (ASGI); the first of each counts
             if name == b"authorization" and not auth:
                 auth = value
             elif name == SESSION_HEADER and sid is None:
                 sid = value.decode("latin-1")
-        chunks = []
+            elif name == b"content-length" and length is None:
+                length = int(value) if value.isdigit() else None  # the HTTP parser rejects a malformed one
+        refused = self.refuse(auth, length)
+        if refused is not None:  # the body is never read
+            return await _send(send, *refused, CLOSE if length is None or length > UNREAD_CLOSE else ())
+        chunks, size, limit = [], 0, self.max_body
         while True:
             msg = await receive()
             if msg["type"] == "http.disconnect":
                 return  # nobody to answer
-            chunks.append(msg.get("body", b""))
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > limit:  # a body without Content-Length: no more is read once past the limit
+                code, err = self.refuse(None, size) or (413, {})
+                return await _send(send, code, err, CLOSE)
+            chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
-        status, out = await self.run(handle, scope["path"], auth, sid, b"".join(chunks))
+        status, out = await self.run(handle, scope["path"], sid, chunks[0] if len(chunks) == 1 else b"".join(chunks))
         await _send(send, status, out)
 
 
-async def _send(send: Any, status: int, out: Any, extra: list[tuple[bytes, bytes]] = ()) -> None:
+async def _send(send: Any, status: int, out: Any, extra: Sequence[tuple[bytes, bytes]] = ()) -> None:
     data = dumps(out)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),

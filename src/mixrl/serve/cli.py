@@ -15,6 +15,10 @@ It listens on ``127.0.0.1`` by default. Listening on any other address needs
 an API key (``--api-key`` or ``$MIXRL_API_KEY``); without one it refuses to
 start. Clients send ``Authorization: Bearer KEY`` (the ``openai`` client's
 ``api_key``) and a session id in ``X-Session-ID`` or ``user``.
+
+Request bodies are limited to ``--max-body-mib`` (4 MiB; checked after the key,
+before reading), sessions to ``--max-sessions`` (4096, least recently used first
+out) and ``--session-ttl`` seconds unused (3600).
 """
 
 from __future__ import annotations
@@ -41,6 +45,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     parser.add_argument("--workers", default="process", choices=("process", "thread"),
                         help="replicas as worker processes (default, as in a run) or inside the server's process")
+    parser.add_argument("--max-body-mib", type=float, default=4.0,
+                        help="largest request body in MiB (default 4); larger ones get 413 unread")
+    parser.add_argument("--session-ttl", type=float, default=3600.0,
+                        help="seconds an unused session is kept (default 3600)")
+    parser.add_argument("--max-sessions", type=int, default=4096,
+                        help="sessions kept at most; past it the least recently used goes (default 4096)")
 
 
 # A burst of HTTP requests reaches a sampler one parse at a time: gather it (idle_ms).
@@ -105,8 +115,9 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
     fleet.publish(0, weights)
     await fleet.start()
     core = ServeCore(chat, fleet.generate, model=args.model, max_total_tokens=args.max_total_tokens,
-                     default_max_tokens=args.max_tokens)
-    config = uvicorn.Config(make_app(core, api_key=api_key), host=args.host, port=args.port,
+                     default_max_tokens=args.max_tokens, session_ttl=args.session_ttl, max_sessions=args.max_sessions)
+    app = make_app(core, api_key=api_key, max_body=int(args.max_body_mib * (1 << 20)))
+    config = uvicorn.Config(app, host=args.host, port=args.port,
                             timeout_keep_alive=75, **server_options())
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
@@ -124,7 +135,7 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
         await fleet.close()
 
 
-def _loop_runner() -> Any:
+def loop_runner() -> Any:
     """``uvloop.run`` where uvloop is installed (``uvicorn[standard]``): a cheaper event loop per
     HTTP request; else ``asyncio.run``."""
     try:
@@ -143,6 +154,11 @@ def main(args: argparse.Namespace) -> int:
     if args.replicas < 1 or not 0 <= args.port < 65536 or args.max_total_tokens < 2:
         print("mixrl serve: --replicas must be >= 1, --port in [0, 65535], --max-total-tokens >= 2", file=sys.stderr)
         return 2
+    for flag, value, lo in (("--max-body-mib", args.max_body_mib, 1 / 1024), ("--session-ttl", args.session_ttl, 1),
+                            ("--max-sessions", args.max_sessions, 1)):
+        if not value >= lo:
+            print(f"mixrl serve: {flag} must be >= {lo:g}, got {value}", file=sys.stderr)
+            return 2
     from mixrl.config.run import ConfigError
     from mixrl.envs.chat import ChatFormat, ChatTemplateError
     from mixrl.models.loading import resolve_model
@@ -159,7 +175,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"mixrl serve: {e}".splitlines()[0], file=sys.stderr)
         return 2
     try:
-        _loop_runner()(_serve(args, path, chat, profiles, api_key))
+        loop_runner()(_serve(args, path, chat, profiles, api_key))
     except KeyboardInterrupt:
         return 0
     return 0

@@ -33,6 +33,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +128,18 @@ def _text(content: Any) -> str:
     raise ValueError(f"message content must be a string or a list of text parts, got {type(content).__name__}")
 
 
+def content_chars(messages: list[dict[str, Any]]) -> int:
+    """Characters of the messages' contents: their tokens are at least this over the longest token's length."""
+    n = 0
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str):
+            n += len(content)
+        elif isinstance(content, list):
+            n += sum(len(str(p.get("text", ""))) for p in content if isinstance(p, dict))
+    return n
+
+
 def _args(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
@@ -210,22 +225,58 @@ class SessionState:
     finished: list[Trajectory] = field(default_factory=list)  # earlier segments
     truncated: bool = False  # a request outgrew the context budget (the model was too long)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    used: float = 0.0  # the clock when a request last named it
 
 
 class SessionStore:
-    """Session id -> recorded segments; counts ``history_rewrites``."""
+    """Session id -> recorded segments; counts ``history_rewrites``.
 
-    def __init__(self, chat: ChatFormat) -> None:
-        self.chat = chat
+    Bounded when asked: a session no request named for ``ttl`` seconds expires, and a new
+    session beyond ``max_sessions`` makes the least recently used one go (``evicted`` counts
+    both; a request naming it later starts a new segment). A session with a request in flight
+    (its lock held) is never dropped. None: unbounded (an in-run endpoint, whose episodes
+    finish their sessions). Sessions are kept in order of last use, so both checks look at
+    the oldest only: O(1) per request.
+    """
+
+    def __init__(self, chat: ChatFormat, ttl: float | None = None, max_sessions: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.chat, self.ttl, self.max_sessions, self.clock = chat, ttl, max_sessions, clock
         self.frames = Frames(chat)
-        self.sessions: dict[str, SessionState] = {}
-        self.history_rewrites = 0
+        self.sessions: OrderedDict[str, SessionState] = OrderedDict()
+        self.history_rewrites = self.evicted = 0
 
     def state(self, session: str) -> SessionState:
+        now = self.clock()
         st = self.sessions.get(session)
         if st is None:  # not setdefault: that builds a state (and its lock) on every request
+            self._sweep(now, room=1)
             st = self.sessions[session] = SessionState()
+        else:
+            self.sessions.move_to_end(session)
+            if self.ttl is not None:
+                self._sweep(now, room=0)
+        st.used = now
         return st
+
+    def discard(self, session: str) -> None:
+        """Forget a session (a request that created it failed)."""
+        self.sessions.pop(session, None)
+
+    def _sweep(self, now: float, room: int) -> None:
+        """Drop expired sessions, and the least recently used while ``room`` more would pass the cap."""
+        cap = self.max_sessions
+        for _ in range(len(self.sessions)):
+            sid, st = next(iter(self.sessions.items()))
+            if not ((self.ttl is not None and now - st.used > self.ttl)
+                    or (cap is not None and len(self.sessions) + room > cap)):
+                return
+            if st.lock.locked():  # in flight: counts as used now
+                st.used = now
+                self.sessions.move_to_end(sid)
+            else:
+                del self.sessions[sid]
+                self.evicted += 1
 
     def prompt(self, st: SessionState, session: str, messages: list[dict[str, Any]],
                tools: list[Any] | None) -> Trajectory:

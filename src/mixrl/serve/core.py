@@ -13,6 +13,13 @@ tokens kept are recorded, those after it are not. A session is named by the
 ``X-Session-ID`` header or the body's ``user`` field; a request without one is
 a session of its own.
 
+Sessions are bounded (``session_ttl`` seconds unused, ``max_sessions`` least recently
+used: ``SessionStore``), and a failed request (context too long, a bad parameter,
+the sampler failed) leaves no session holding no reply behind, except sessions whose
+lifetime the caller manages (``owned``: an in-run endpoint's episodes). A request whose
+body is large (``heavy``) is templated and tokenized in a worker thread, so the event
+loop keeps answering other requests meanwhile.
+
 Candidates of q recorded with each token (``record``): ``"auto"`` (the default)
 records the whole top-p support when ``top_p < 1`` and the 64 most likely tokens
 at ``top_p = 1``, as a run does; an in-run endpoint passes the run's own choice.
@@ -34,12 +41,14 @@ from mixrl.rollout.session import _append_env
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 from mixrl.serve import toolcalls
-from mixrl.serve.conversation import SessionStore
+from mixrl.serve.conversation import SessionStore, content_chars
+from mixrl.serve.stops import cut
 
 Generate = Callable[[str, GenerationRequest], Awaitable[GenerationResult]]
 # (session, the request's parameters) -> the parameters really used (an in-run endpoint
 # imposes the run's temperature, top-p and candidate recording); recorded per result.
 Adapt = Callable[[str, SamplingParams], SamplingParams]
+SESSION_TTL_S, MAX_SESSIONS = 3600.0, 4096  # the defaults of ``mixrl serve``
 
 
 def record_for(top_p: float) -> str:
@@ -73,13 +82,17 @@ def _num(body: dict[str, Any], key: str, default: float, lo: float, hi: float) -
 class ServeCore:
     def __init__(self, chat: ChatFormat, generate: Generate, *, model: str, max_total_tokens: int,
                  default_max_tokens: int = 256, record: str = "auto", tool_parser: str = "auto",
-                 adapt: Adapt | None = None) -> None:
+                 adapt: Adapt | None = None, session_ttl: float | None = SESSION_TTL_S,
+                 max_sessions: int | None = MAX_SESSIONS, owned: Callable[[str], bool] | None = None) -> None:
         self.chat, self.generate, self.model = chat, generate, model
-        self.adapt = adapt
+        self.adapt, self.owned = adapt, owned
         self.max_total_tokens, self.default_max_tokens = max_total_tokens, default_max_tokens
         self.record, self.tool_parser = record, tool_parser
-        self.sessions = SessionStore(chat)
+        self.sessions = SessionStore(chat, ttl=session_ttl, max_sessions=max_sessions)
         self.stop_ids = chat.stop_ids  # a property that builds its tuple on every read
+        # the longest token's text (its vocabulary string: a byte-level token's string has a character
+        # per byte): text longer than the context times this cannot fit, and is refused untokenized
+        self.token_chars = max(1, max(map(len, chat.tokenizer.get_vocab()), default=1))
         self.counts = {"requests": 0, "errors": 0, "generated_tokens": 0}
         # response ids: unique per server (a random prefix, then a counter), without a
         # system call per request as uuid4 makes
@@ -118,18 +131,18 @@ class ServeCore:
         return params, n, stop
 
     def _cut(self, ids: list[int], stop: list[str]) -> tuple[list[int], str, bool]:
-        """Ids kept, reply text, and whether a stop string ended it."""
-        text = self.chat.reply_text(ids)
+        """Ids kept, reply text, and whether a stop string ended it (``stops.cut``: linear)."""
         if not stop:
-            return ids, text, False
-        hits = [(text.find(s), s) for s in stop if s in text]
-        if not hits:
-            return ids, text, False
-        at = min(hits)[0]
-        for j in range(1, len(ids) + 1):  # the first token whose text reaches past the stop's start
-            if len(self.chat.reply_text(ids[:j])) > at:
-                return ids[:j], text[:at], True
-        return ids, text[:at], True
+            return ids, self.chat.reply_text(ids), False
+        return cut(ids, stop, self._reply_decode)
+
+    def _reply_decode(self, ids: list[int]) -> str:
+        return self.chat.decode(ids, skip_special=True)  # reply_text: stop ids are special tokens
+
+    def _too_long(self, param: str, size: int) -> ApiError:
+        """Refused unread: more characters than the context times the longest token, or more ids."""
+        return ApiError(400, f"the {param} hold {size} characters or ids: more than this endpoint's context of "
+                             f"{self.max_total_tokens} tokens can hold", param=param, code="context_length_exceeded")
 
     def _logprobs(self, res: GenerationResult, ids: list[int], top: int) -> dict[str, Any]:
         content = []
@@ -157,7 +170,7 @@ class ServeCore:
         return list(results)
 
     # -- endpoints ------------------------------------------------------------------------
-    async def chat_completion(self, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+    async def chat_completion(self, body: dict[str, Any], session: str | None, heavy: bool = False) -> dict[str, Any]:
         if body.get("stream"):
             raise ApiError(400, "stream=true is not supported by this endpoint", param="stream")
         messages, tools = body.get("messages"), body.get("tools") or None
@@ -172,9 +185,25 @@ class ServeCore:
         ephemeral = session is None
         session = session or f"anon-{uuid.uuid4().hex}"
         st = self.sessions.state(session)
+        try:
+            return await self._chat(body, session, st, ephemeral, messages, tools, parser, top, heavy)
+        except BaseException:
+            if ephemeral or not (st.forks or st.finished or (self.owned is not None and self.owned(session))):
+                self.sessions.discard(session)  # a failed request leaves no empty session behind
+            raise
+
+    async def _chat(self, body: dict[str, Any], session: str, st: Any, ephemeral: bool, messages: list[Any],
+                    tools: list[Any] | None, parser: str, top: int, heavy: bool) -> dict[str, Any]:
         async with st.lock:
+            chars = content_chars(messages)
+            if chars > self.max_total_tokens * self.token_chars:
+                st.truncated = True
+                raise self._too_long("messages", chars)
             try:
-                base = self.sessions.prompt(st, session, messages, tools)
+                if heavy:  # templating and tokenizing a large body: off the event loop
+                    base = await asyncio.to_thread(self.sessions.prompt, st, session, messages, tools)
+                else:
+                    base = self.sessions.prompt(st, session, messages, tools)
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
             params, n, stop = self._params(body, len(base.tokens), st)
@@ -207,17 +236,21 @@ class ServeCore:
                 "mixrl": {"session": None if ephemeral else session, "group": results[0].group,
                           "version": results[0].version, "segment": base.info.get("segment", 0)}}
 
-    async def completion(self, body: dict[str, Any], session: str | None) -> dict[str, Any]:
+    async def completion(self, body: dict[str, Any], session: str | None, heavy: bool = False) -> dict[str, Any]:
         if body.get("stream"):
             raise ApiError(400, "stream=true is not supported by this endpoint", param="stream")
         prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) > self.max_total_tokens:
+            raise self._too_long("prompt", len(prompt))
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             ids = list(prompt)
             vocab = len(self.chat.tokenizer)
             if any(not 0 <= t < vocab for t in ids):
                 raise ApiError(400, f"prompt token ids must be in [0, {vocab})", param="prompt")
         elif isinstance(prompt, str) and prompt:
-            ids = self.chat.encode(prompt)
+            if len(prompt) > self.max_total_tokens * self.token_chars:
+                raise self._too_long("prompt", len(prompt))
+            ids = await asyncio.to_thread(self.chat.encode, prompt) if heavy else self.chat.encode(prompt)
         else:
             raise ApiError(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
         params, n, stop = self._params(body, len(ids))

@@ -41,7 +41,10 @@ class InRunEndpoint:
 
     @classmethod
     async def get(cls, chat: Any, *, max_total_tokens: int, record: str = "support",
-                  model: str = "policy") -> InRunEndpoint:
+                  model: str = "policy", max_body: int | None = None) -> InRunEndpoint:
+        """The loop's endpoint, started on first use. ``max_body``: the body limit in bytes
+        (default ``app.MAX_BODY``). Its sessions are the registered episodes': unbounded in
+        number and age (each episode finishes its own), and kept when a request fails."""
         loop = asyncio.get_running_loop()
         ep = cls._instances.get(id(loop))
         if ep is not None and not ep._task.done():
@@ -49,7 +52,7 @@ class InRunEndpoint:
         import uvicorn
 
         from mixrl.runtime.heap import settle_heap
-        from mixrl.serve.app import loopback_socket, make_app, server_options
+        from mixrl.serve.app import MAX_BODY, loopback_socket, make_app, server_options
 
         routes: dict[str, Any] = {}
 
@@ -64,13 +67,15 @@ class InRunEndpoint:
             adapt_fn = getattr(fn, "adapt", None)
             return adapt_fn(params) if adapt_fn is not None else params
 
-        core = ServeCore(chat, generate, model=model, max_total_tokens=max_total_tokens, record=record, adapt=adapt)
+        core = ServeCore(chat, generate, model=model, max_total_tokens=max_total_tokens, record=record, adapt=adapt,
+                         session_ttl=None, max_sessions=None, owned=routes.__contains__)
         api_key = secrets.token_urlsafe(24)
         sock = loopback_socket()  # bound now: no other process can take the port meanwhile
         port = sock.getsockname()[1]
         # keep-alive longer than an agent's tool call: a connection the server closes while the
         # agent sends its next request would fail that request (agents' clients do not retry)
-        config = uvicorn.Config(make_app(core, api_key=api_key), host="127.0.0.1", port=port,
+        app = make_app(core, api_key=api_key, max_body=MAX_BODY if max_body is None else max_body)
+        config = uvicorn.Config(app, host="127.0.0.1", port=port,
                                 lifespan="off", timeout_keep_alive=300, **server_options())
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # the run owns Ctrl-C
