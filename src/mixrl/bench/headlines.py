@@ -77,6 +77,12 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
                  ">=", 0.8, interval="long_replies.pair_ratio_ci95"),
         Headline("server_cpu_ms_per_request", "endpoint CPU per request, ms"),
     ),
+    "serve_hostile": (
+        Headline("p99_hostile_over_quiet", "p99 of well-formed requests, hostile over quiet load", "<=", 2.0,
+                 limit="p99_hostile_over_long_replies", limit_label="over long replies alone"),
+        Headline("rss_after_over_before", "server RSS after the hostile load over before", "<=", 1.1),
+        Headline("leaked_sessions", "sessions left behind by failed requests", "==", 0),
+    ),
     "trainer": (
         Headline("peak_mb_1024_over_128", "update peak memory, 1,024 over 128 trajectories", "<=", 1.3),
         Headline("packed_over_padded", "packed over padded trainer tokens/s, variable lengths", ">=", 1.3),
