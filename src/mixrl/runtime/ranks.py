@@ -48,10 +48,11 @@ class RankWorker:
         run = RunConfig.model_validate(cfg)
         setup_threads(run.runtime.torch_threads)
         self.rank = rank
-        init_rank(rank, world, addr, port, rank_device(rank, run.trainer.num_gpus > 0))
+        self.device = init_rank(rank, world, addr, port, rank_device(rank, run.trainer.num_gpus > 0))
         ckpt = f"{run.observe.run_dir}/trainer"
         self.trainer, self.tokenizer = build_trainer(
-            run, model_path, loss_cfg, factory=RankTrainer, reduce_dtype=run.trainer.reduce_dtype, ckpt_dir=ckpt)
+            run, model_path, loss_cfg, factory=RankTrainer, reduce_dtype=run.trainer.reduce_dtype, ckpt_dir=ckpt,
+            device=self.device)
 
     def step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
         return self.trainer.step(trajectories, advantages)

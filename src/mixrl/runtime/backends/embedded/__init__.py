@@ -77,6 +77,10 @@ class EmbeddedBackend(Backend):
         # is a rank process too, even alone: this process keeps no CUDA context
         if self.cfg.trainer.world_size > 1 or self.cfg.trainer.num_gpus > 0:
             from mixrl.fleet.shared_weights import SharedVersion
+            from mixrl.runtime.gpu import require_cuda
+
+            if self.cfg.trainer.num_gpus > 0:  # here, in one line, not in every rank's traceback
+                require_cuda("trainer.num_gpus > 0")
             from mixrl.runtime.ranks import LocalRanks
 
             ranks = LocalRanks(self.cfg, self.model_path, self.loss_cfg, publish=SharedVersion.from_state_dict)
