@@ -182,3 +182,43 @@ def test_trainer_state_carries_every_rng_of_its_process() -> None:
     load_trainer_state(Bare(), state)
     again = (torch.rand(3), random.random(), np.random.rand(3))
     assert torch.equal(draws[0], again[0]) and draws[1] == again[1] and np.array_equal(draws[2], again[2])
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_probe_closes_every_engine_it_builds(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A vLLM engine keeps its device memory until closed: the probe closes each one,
+    also when the profile fails."""
+    import argparse
+
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from mixrl.sampling import factory, probe
+
+    cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,
+                      tie_word_embeddings=True, eos_token_id=1)
+    Qwen3ForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    built: list[Any] = []
+    real = factory.make_engine
+
+    def recording(*a: Any, **kw: Any) -> Any:
+        built.append(real(*a, **kw))
+        return built[-1]
+
+    monkeypatch.setattr(factory, "make_engine", recording)
+    parser = argparse.ArgumentParser()
+    probe.configure(parser)
+    args = parser.parse_args(["--model", str(tmp_path / "m"), "--profiles", "cpu-vllm-fp32,cpu-vllm-bf16",
+                              "--prompts", "random", "--num-prompts", "2", "--max-new-tokens", "3"])
+    rows = probe.probe(args)
+    assert set(rows) == {"cpu-vllm-fp32", "cpu-vllm-bf16"} and len(built) == 2
+    assert all(e.llm is None for e in built)  # closed
+
+    def boom(*a: Any) -> Any:
+        raise RuntimeError("scoring failed")
+
+    monkeypatch.setattr(probe, "score_support", boom)  # a profile that fails after its engine started
+    built.clear()
+    with pytest.raises(RuntimeError, match="scoring failed"):
+        probe.probe(args)
+    assert len(built) == 1 and built[0].llm is None

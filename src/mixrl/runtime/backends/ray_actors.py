@@ -26,14 +26,14 @@ ACTOR_OPTS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
 @ray.remote(**ACTOR_OPTS)
 class SamplerActor:
     def __init__(self, model_path: str, profile: Any, group: str, seed: int, threads: int,
-                 quant_profile: Any = None) -> None:
+                 quant_profile: Any = None, engine_kw: dict[str, Any] | None = None) -> None:
         import torch
 
         from mixrl.sampling.batching import BatchingSampler
         from mixrl.sampling.factory import make_engine
 
         torch.set_num_threads(threads)
-        self.sampler = BatchingSampler(make_engine(model_path, profile, group, seed=seed))
+        self.sampler = BatchingSampler(make_engine(model_path, profile, group, seed=seed, **(engine_kw or {})))
         self.quant_profile = quant_profile  # this group's format, if pre-quantized
         self._quantize: Any = None
 
@@ -74,6 +74,11 @@ class SamplerActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def where(self) -> dict[str, Any]:
+        """The GPUs Ray assigned this replica and what CUDA shows it."""
+        return {"gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()

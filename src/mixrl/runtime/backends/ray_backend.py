@@ -48,7 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from mixrl.config.run import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.runtime.backends.format_refs import FormatRefs
-from mixrl.runtime.backends.placement import bundle, cpus_needed
+from mixrl.runtime.backends.placement import bundle, check_broadcast, cpus_needed
 from mixrl.runtime.backends.ray_actors import RankActor, SamplerActor, TrainerActor
 from mixrl.runtime.backends.ray_auth import RayAuthError, _require_token_mode, check_cluster_token  # noqa: F401
 from mixrl.runtime.backends.ray_handles import RayRanks, RaySampler, RayTrainer
@@ -92,6 +92,7 @@ class RayBackend(Backend):
         self._started_here = False
         self.formats = FormatRefs()  # one quantization per (version, format), in the object store
         self.broadcast = cfg.runtime.ray.weight_transport == "broadcast"
+        check_broadcast(cfg)
         self._tied: bool | None = None
 
     def _is_tied(self) -> bool:
@@ -161,6 +162,7 @@ class RayBackend(Backend):
         actor = SamplerActor.options(**_actor_options(pg, 0, b)).remote(  # type: ignore[attr-defined]
             self.model_path, serving_profile(prof, fmt), group, replica_seed(self.cfg.runtime.seed, name),
             self.cfg.runtime.torch_threads, prof if fmt is not None else None,
+            {"gpu_memory_utilization": g.gpu_memory_utilization} if g.gpu_memory_utilization is not None else None,
         )
         try:
             await actor.pid.remote()
