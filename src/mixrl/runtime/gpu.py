@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import shutil
+from typing import Any
 
 from mixrl.config.run import ConfigError
 
@@ -50,3 +51,16 @@ def require_cuda(what: str, device_glob: str = DEVICE_GLOB) -> None:
     problem = cuda_problem(device_glob)
     if problem is not None:
         raise ConfigError(f"{what}: {problem}")
+
+
+def placement_of(trainer: Any) -> dict[str, Any]:
+    """Where a trainer's parameters and optimizer state live, and what CUDA allocated."""
+    import torch
+
+    def local(t: Any) -> Any:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    state = [v for st in trainer.optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return {"param_devices": sorted({str(local(p).device) for p in trainer.model.parameters()}),
+            "optimizer_devices": sorted({str(local(v).device) for v in state if v.dim() > 0}),
+            "max_memory_allocated": int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0}

@@ -79,6 +79,12 @@ class RankWorker:
     def memory_bytes(self) -> int:
         return int(self.trainer.local_memory_bytes())
 
+    def where(self) -> dict[str, Any]:
+        """This rank's device as its parameters and CUDA's allocator show it."""
+        from mixrl.runtime.gpu import placement_of
+
+        return placement_of(self.trainer)
+
     def close(self) -> None:
         import torch.distributed as dist
 
@@ -98,7 +104,7 @@ def _rank_main(rank: int, world: int, addr: str, port: int, cfg: dict[str, Any],
         cmd, args = conn.recv()
         try:
             out = getattr(worker, cmd)(*args)
-            conn.send(("ok", out if rank == 0 or cmd == "memory_bytes" else None))
+            conn.send(("ok", out if rank == 0 or cmd in ("memory_bytes", "where") else None))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
             return

@@ -149,9 +149,10 @@ class TrainerActor:
         return ray.get_runtime_context().get_node_id()
 
     def where(self) -> dict[str, Any]:
-        """The trainer's device as its parameters and Ray's assignment show it."""
-        return {"param_device": str(self.trainer.params[0].device), "device": str(self.trainer.device),
-                "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+        """The trainer's device as its parameters, CUDA's allocator and Ray's assignment show it."""
+        from mixrl.runtime.gpu import placement_of
+
+        return {**placement_of(self.trainer), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
