@@ -99,3 +99,53 @@ def test_broadcast_refuses_two_nccl_ranks_that_may_share_a_device() -> None:
         check_broadcast(cfg(1, 0.25))
     check_broadcast(cfg(1, 1))  # whole GPUs: distinct devices
     check_broadcast(cfg(0, 0))  # gloo between CPU processes
+
+
+@pytest.mark.ray
+def test_each_ray_sampler_actor_sees_only_its_gpus(tiny_policy: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local cluster declaring two (logical) GPUs: every replica of a num_gpus = 1 group gets
+    its own, and a CPU replica none (Ray's assignment, read inside each actor)."""
+    import secrets
+    import tempfile
+
+    ray = pytest.importorskip("ray")
+    from mixrl.runtime.backends import ray_auth
+    from mixrl.runtime.backends.ray_backend import RayBackend
+    from mixrl.runtime.run import resolve_loss
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    ray_auth._require_token_mode()
+    cfg = build_config({
+        "model": {"path": str(tiny_policy)}, "runtime": {"backend": "ray"},
+        "fleet": {"groups": [
+            {"name": "gpu", "profile": "fp32", "replicas": 2, "max_replicas": 2, "num_gpus": 1, "num_cpus": 0.5},
+            {"name": "cpu", "profile": "fp32", "replicas": 1, "max_replicas": 1, "num_cpus": 0.5},
+        ]},
+        "observe": {"run_dir": str(tmp_path), "progress": False, "tensorboard": False},
+    })
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
+             _temp_dir=tempfile.mkdtemp(prefix="mixrl-ray-"))
+    backend = RayBackend(cfg, str(tiny_policy), resolve_loss(cfg)[0])
+
+    async def main() -> dict[str, Any]:
+        try:
+            for name in ("gpu/0", "gpu/1", "cpu/0"):
+                await backend.make_sampler(name.split("/")[0], name)
+            return {n: await h.actor.where.remote() for n, h in backend.samplers.items()}
+        finally:
+            for h in backend.samplers.values():
+                await h.close()
+
+    try:
+        got = asyncio.run(main())
+    finally:
+        ray.shutdown()
+    gpu_ids = sorted(got[n]["gpu_ids"][0] for n in ("gpu/0", "gpu/1"))
+    assert gpu_ids == ["0", "1"] and all(len(got[n]["gpu_ids"]) == 1 for n in ("gpu/0", "gpu/1"))
+    for n in ("gpu/0", "gpu/1"):
+        assert got[n]["cuda_visible_devices"] == got[n]["gpu_ids"][0]  # the actor sees its GPU only
+    assert got["cpu/0"] == {"gpu_ids": [], "cuda_visible_devices": ""}  # on a GPU node: sees none

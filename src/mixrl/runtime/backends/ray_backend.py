@@ -59,13 +59,17 @@ PLACEMENT_TIMEOUT_S = 60.0  # a bundle no node can hold fails its replica instea
 
 
 def _actor_options(pg: Any, index: int, b: dict[str, float]) -> dict[str, Any]:
-    """Options that put an actor into bundle ``index`` of ``pg``, asking for the bundle's resources."""
+    """Options that put an actor into bundle ``index`` of ``pg``, asking for the bundle's resources.
+
+    An actor with no GPU in its bundle sees none (Ray leaves ``CUDA_VISIBLE_DEVICES`` unset
+    for it, so on a GPU node it would see them all); one with GPUs sees Ray's assignment."""
+    hide = {} if b.get("GPU", 0) > 0 else {"runtime_env": {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}}
     if pg is None:
-        return {}
+        return hide
     custom = {k: v for k, v in b.items() if k not in ("CPU", "GPU", "memory")}
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
             "num_cpus": b.get("CPU", 0), "num_gpus": b.get("GPU", 0), "memory": b.get("memory") or None,
-            "resources": custom or None}
+            "resources": custom or None, **hide}
 
 
 async def _placed(bundles: list[dict[str, float]], strategy: str, what: str) -> Any:
