@@ -222,3 +222,25 @@ def test_probe_closes_every_engine_it_builds(tmp_path: Any, monkeypatch: pytest.
     with pytest.raises(RuntimeError, match="scoring failed"):
         probe.probe(args)
     assert len(built) == 1 and built[0].llm is None
+
+
+def test_flash_attention_selects_one_packed_row_per_micro_batch() -> None:
+    """The kernel a CUDA bf16 trainer gets with flash_attn installed makes the trainer plan
+    one packed row per micro-batch (sequences cut by position ids, no mask); SDPA does not."""
+    from mixrl.config.run import build_config
+    from mixrl.models.policy import attn_implementation_for, load_policy
+    from mixrl.runtime.run import resolve_loss
+    from mixrl.train.trainer import Trainer, needed_cand_kind
+    from tests.test_fsdp import batch
+
+    loss_cfg = resolve_loss(build_config({"model": {"path": "bundled"}}))[0]
+    rows = {}
+    for impl in (attn_implementation_for("cuda", "bf16", flash_available=True), "sdpa"):
+        model, _ = load_policy("bundled", device="cpu")
+        model.config._attn_implementation = impl  # what from_pretrained sets on that device
+        tr = Trainer(model, loss_cfg, lr=1e-3, packing=True, micro_batch_tokens=64)
+        trajs, adv = batch(int(model.lm_head.weight.shape[0]), needed_cand_kind(loss_cfg), 12, seed=3)
+        records, _ = tr._prepare(trajs, adv, True)
+        rows[impl] = [len(mb.rows) for mb in tr._micro(records)]
+    assert set(rows["flash_attention_2"]) == {1}  # one row each
+    assert max(rows["sdpa"]) > 1  # several rows (block-diagonal masks) under the same budget
