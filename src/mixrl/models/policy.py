@@ -120,16 +120,41 @@ def resolve(path_or_bundled: str | Path) -> Path:
     return resolve_model(path_or_bundled)
 
 
-def load_policy(path_or_bundled: str | Path = BUNDLED, dtype: Any = None) -> tuple[Any, Any]:
+def attn_implementation_for(device: Any, precision: str = "fp32", flash_available: bool | None = None) -> str:
+    """The attention kernel a trainer on ``device`` computing in ``precision`` uses.
+
+    CUDA with 16-bit compute: ``flash_attention_2`` when the ``flash_attn`` package is
+    installed (varlen: packed micro-batches are one row, sequences cut by position ids,
+    see ``mixrl.train.packing``); otherwise, and in FP32 (flash kernels take 16-bit
+    inputs only), SDPA with a block-diagonal mask. CPU: SDPA.
+    """
+    import torch
+
+    if torch.device(device).type != "cuda" or precision not in ("bf16", "fp16"):
+        return "sdpa"
+    if flash_available is None:
+        from transformers.utils import is_flash_attn_2_available
+
+        flash_available = bool(is_flash_attn_2_available())
+    return "flash_attention_2" if flash_available else "sdpa"
+
+
+def load_policy(path_or_bundled: str | Path = BUNDLED, dtype: Any = None, device: Any = None,
+                precision: str = "fp32") -> tuple[Any, Any]:
     """(model, tokenizer) from ``"bundled"`` or any local HF causal-LM directory.
 
-    The model is in eval mode, FP32 unless ``dtype`` says otherwise.
+    The model is in eval mode, FP32 unless ``dtype`` says otherwise, on the CPU; with
+    ``device`` its attention kernel is the one for that device and ``precision``
+    (``attn_implementation_for``; the caller moves it).
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     p = resolve(path_or_bundled)
-    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype or torch.float32)
+    kw: dict[str, Any] = {}
+    if device is not None:
+        kw["attn_implementation"] = attn_implementation_for(device, precision)
+    model = AutoModelForCausalLM.from_pretrained(str(p), dtype=dtype or torch.float32, **kw)
     model.eval()
     tok = AutoTokenizer.from_pretrained(str(p))
     return model, tok

@@ -48,10 +48,11 @@ class RankWorker:
         run = RunConfig.model_validate(cfg)
         setup_threads(run.runtime.torch_threads)
         self.rank = rank
-        init_rank(rank, world, addr, port, rank_device(rank, run.trainer.num_gpus > 0))
+        self.device = init_rank(rank, world, addr, port, rank_device(rank, run.trainer.num_gpus > 0))
         ckpt = f"{run.observe.run_dir}/trainer"
         self.trainer, self.tokenizer = build_trainer(
-            run, model_path, loss_cfg, factory=RankTrainer, reduce_dtype=run.trainer.reduce_dtype, ckpt_dir=ckpt)
+            run, model_path, loss_cfg, factory=RankTrainer, reduce_dtype=run.trainer.reduce_dtype, ckpt_dir=ckpt,
+            device=self.device)
 
     def step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
         return self.trainer.step(trajectories, advantages)
@@ -78,6 +79,12 @@ class RankWorker:
     def memory_bytes(self) -> int:
         return int(self.trainer.local_memory_bytes())
 
+    def where(self) -> dict[str, Any]:
+        """This rank's device as its parameters and CUDA's allocator show it."""
+        from mixrl.runtime.gpu import placement_of
+
+        return placement_of(self.trainer)
+
     def close(self) -> None:
         import torch.distributed as dist
 
@@ -97,7 +104,7 @@ def _rank_main(rank: int, world: int, addr: str, port: int, cfg: dict[str, Any],
         cmd, args = conn.recv()
         try:
             out = getattr(worker, cmd)(*args)
-            conn.send(("ok", out if rank == 0 or cmd == "memory_bytes" else None))
+            conn.send(("ok", out if rank == 0 or cmd in ("memory_bytes", "where") else None))
         except BaseException:
             conn.send(("error", traceback.format_exc()))
             return

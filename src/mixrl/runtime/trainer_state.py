@@ -28,7 +28,7 @@ def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any, factory: Any =
     torch.set_num_threads(cfg.runtime.torch_threads)
     torch.manual_seed(cfg.runtime.seed)
     random.seed(cfg.runtime.seed)
-    model, tok = load_policy(model_path)
+    model, tok = load_policy(model_path, device=extra.get("device"), precision=cfg.optim.precision)
     if cfg.trainer.lora is not None:
         from mixrl.train.lora import LoraTrainer, apply_lora
 
@@ -86,7 +86,6 @@ def generation_budget(cfg: RunConfig) -> int:
 
 
 def trainer_state(trainer: Any) -> dict[str, Any]:
-    import torch
 
     if hasattr(trainer, "state_dict"):
         state = dict(trainer.state_dict())
@@ -96,14 +95,14 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
             "optimizer": trainer.optimizer.state_dict(),
             "version": int(trainer.version),
         }
-    py = random.getstate()
-    # the trainer's own process (a Ray actor has its own RNGs): plain containers only
-    state["rng"] = {"torch": torch.get_rng_state(), "python": [py[0], list(py[1]), py[2]]}
+    from mixrl.train.checkpoint import capture_rng
+
+    # the trainer's own process (a Ray actor, a rank has its own RNGs): CPU, every CUDA device, python, numpy
+    state["rng"] = capture_rng()
     return state
 
 
 def load_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
-    import torch
 
     state = dict(state)
     rng = state.pop("rng")
@@ -113,12 +112,9 @@ def load_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
         trainer.model.load_state_dict(state["model"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.version = int(state["version"])
-    torch.set_rng_state(rng["torch"])
-    random.setstate(_tupled(rng["python"]))
+    from mixrl.train.checkpoint import restore_rng
 
-
-def _tupled(x: Any) -> Any:
-    return tuple(_tupled(v) for v in x) if isinstance(x, list | tuple) else x
+    restore_rng(rng)
 
 
 def save_policy(trainer: Any, tokenizer: Any, out_dir: str) -> None:

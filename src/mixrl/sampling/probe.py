@@ -270,8 +270,6 @@ def probe(args: argparse.Namespace, skipped: dict[str, str] | None = None) -> di
     from transformers import AutoModelForCausalLM
 
     from mixrl.models.policy import resolve
-    from mixrl.sampling.base import GenerationRequest, SamplingParams
-    from mixrl.sampling.builtin.engine import request_seed
     from mixrl.sampling.factory import make_engine
 
     _positive(args)
@@ -296,31 +294,45 @@ def probe(args: argparse.Namespace, skipped: dict[str, str] | None = None) -> di
     out: dict[str, dict[str, Any]] = {}
     for prof in profiles:
         engine = make_engine(str(path), prof, group=prof.name, seed=args.seed)
-        reqs = [
-            GenerationRequest(p, SamplingParams(
-                temperature=args.temperature, max_new_tokens=args.max_new_tokens, stop_ids=stops,
-                record="support", seed=request_seed(args.seed, i)), request_id=str(i))
-            for i, p in enumerate(prompts)
-        ]  # fmt: skip
-        t0 = time.perf_counter()
-        results = engine.generate_batch(reqs)
-        gen_s = time.perf_counter() - t0
-        failed = [r for r in results if r.finish_reason == "error"]
-        if failed:
-            raise RuntimeError(
-                f"profile {prof.name}: {len(failed)} requests failed: {failed[0].error}"
-            )
-        row = metrics_of(score_support(trainer, prompts, results, args.temperature))
-        row.update(
-            weight_format=prof.weight_format, kv_format=prof.kv_format,
-            compute_dtype=prof.compute_dtype, activation_format=prof.activation_format,
-            quantize_lm_head=prof.quantize_lm_head, numerical_errors=sum(
-                r.finish_reason == "numerical_error" for r in results),
-            generate_seconds=round(gen_s, 3),
-        )  # fmt: skip
-        out[prof.name] = row
-        print(f"probe: {prof.name} done ({row['tokens']} tokens, {gen_s:.1f}s)", file=sys.stderr)
+        try:
+            out[prof.name] = _probe_one(engine, prof, trainer, prompts, stops, args)
+        finally:  # a vLLM engine holds its GPU memory until closed: the next profile needs it
+            close = getattr(engine, "close", None)
+            if close is not None:
+                close()
     return out
+
+
+def _probe_one(engine: Any, prof: Any, trainer: Any, prompts: Any, stops: Any,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """One profile's row: generate with ``engine``, score against ``trainer``."""
+    from mixrl.sampling.base import GenerationRequest, SamplingParams
+    from mixrl.sampling.builtin.engine import request_seed
+
+    reqs = [
+        GenerationRequest(p, SamplingParams(
+            temperature=args.temperature, max_new_tokens=args.max_new_tokens, stop_ids=stops,
+            record="support", seed=request_seed(args.seed, i)), request_id=str(i))
+        for i, p in enumerate(prompts)
+    ]  # fmt: skip
+    t0 = time.perf_counter()
+    results = engine.generate_batch(reqs)
+    gen_s = time.perf_counter() - t0
+    failed = [r for r in results if r.finish_reason == "error"]
+    if failed:
+        raise RuntimeError(
+            f"profile {prof.name}: {len(failed)} requests failed: {failed[0].error}"
+        )
+    row = metrics_of(score_support(trainer, prompts, results, args.temperature))
+    row.update(
+        weight_format=prof.weight_format, kv_format=prof.kv_format,
+        compute_dtype=prof.compute_dtype, activation_format=prof.activation_format,
+        quantize_lm_head=prof.quantize_lm_head, numerical_errors=sum(
+            r.finish_reason == "numerical_error" for r in results),
+        generate_seconds=round(gen_s, 3),
+    )  # fmt: skip
+    print(f"probe: {prof.name} done ({row['tokens']} tokens, {gen_s:.1f}s)", file=sys.stderr)
+    return row
 
 
 def print_table(rows: dict[str, dict[str, Any]]) -> None:

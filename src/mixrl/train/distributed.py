@@ -18,9 +18,15 @@ collective in every forward and backward, so all ranks must run the same
 number of passes: a rank with fewer micro-batches than the busiest one runs
 empty passes (a 1-token forward whose loss is 0) until they agree.
 
-Mixed precision: ``optim.precision = "bf16"`` becomes FSDP2's
+Mixed precision: ``optim.precision = "bf16"`` (or ``"fp16"``) becomes FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=trainer.reduce_dtype)``;
 the sharded parameters and AdamW stay float32 (the master copy).
+
+Devices: a rank lives on one device (``rank_device``: ``cuda:<local index>``
+when ``trainer.num_gpus > 0``, else ``cpu``, pinned even on a GPU host). The
+model moves there before FSDP2 shards it and before the optimizer is built;
+the FSDP2 mesh is built on that device type; every tensor a collective
+touches lives there too (NCCL rejects CPU tensors, gloo CUDA ones).
 
 Weights leave the ranks in two ways: ``state_dict_for_samplers`` gathers the
 full state (every rank takes part, rank 0 keeps it) for publishing and HF
@@ -46,16 +52,26 @@ from torch import Tensor, nn
 
 from mixrl.train.trainer import Trainer
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _SUMMED = ("loss",)  # local loss = local sum / global D: the batch loss is their sum
 
 
-def init_rank(rank: int, world: int, addr: str, port: int, device: str) -> None:
-    """Join the process group (NCCL on CUDA, else gloo)."""
-    backend = "nccl" if device.startswith("cuda") else "gloo"
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
+def init_rank(rank: int, world: int, addr: str, port: int, device: str) -> torch.device:
+    """Join the process group (NCCL on CUDA, else gloo); the rank's device."""
+    dev = torch.device(device)
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world,
+                            device_id=dev if dev.type == "cuda" else None)
+    return dev
+
+
+def all_reduce_scalar(x: float, op: Any, device: torch.device) -> float:
+    """``x`` reduced over the ranks, through a tensor on the rank's ``device``."""
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=op)
+    return float(t.item())
 
 
 class _Root(nn.Module):
@@ -92,15 +108,19 @@ class _Lockstep(list[Any]):
             self.trainer.empty_pass()
 
 
-def shard(lm: Any, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -> _Root:
-    """``fully_shard`` every decoder layer, then the root; gradients are summed, not averaged."""
+def shard(lm: Any, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, device: torch.device) -> _Root:
+    """``fully_shard`` every decoder layer, then the root, on a mesh of ``device``'s type
+    (FSDP2's default mesh is CUDA whenever CUDA is visible, even for CPU ranks);
+    gradients are summed, not averaged."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for layer in lm.model.layers:
-        fully_shard(layer, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
     root = _Root(lm)
-    fully_shard(root, mp_policy=mp)
+    fully_shard(root, mesh=mesh, mp_policy=mp)
     for m in root.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # the loss is already divided by the global D
@@ -111,14 +131,19 @@ def shard(lm: Any, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype) -
 class RankTrainer(Trainer):
     """A ``Trainer`` on one FSDP2 rank; every method is collective (all ranks call it)."""
 
-    def __init__(self, model: Any, loss_cfg: Any, *, reduce_dtype: str = "fp32", ckpt_dir: str | None = None,
-                 precision: str = "fp32", **kw: Any) -> None:
+    def __init__(self, model: Any, loss_cfg: Any, *, device: str | torch.device = "cpu", reduce_dtype: str = "fp32",
+                 ckpt_dir: str | None = None, precision: str = "fp32", **kw: Any) -> None:
         if getattr(loss_cfg, "ref_kl", None) is not None:
             raise ValueError("loss.ref_kl is not supported with trainer.world_size > 1")
+        if precision not in DTYPES:
+            raise ValueError(f"optim.precision {precision!r} is not one of {tuple(DTYPES)} on trainer ranks")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
+        # the collectives' device, set before anything below runs one
+        self.device = torch.device(device)
+        model.to(device=self.device, dtype=torch.float32)  # the float32 shards live on the rank's device
         param_dtype = DTYPES[precision] if precision != "fp32" else None
-        self.root = shard(model, param_dtype, DTYPES[reduce_dtype])
+        self.root = shard(model, param_dtype, DTYPES[reduce_dtype], self.device)
         self.root.trainer = self
         # the shards stay float32 (FSDP2 casts for compute): the Trainer's bf16 master copy is not needed
         super().__init__(model, loss_cfg, precision="fp32", **kw)
@@ -128,9 +153,7 @@ class RankTrainer(Trainer):
     # -- collectives around the single-rank step
 
     def _all(self, x: float, op: Any = dist.ReduceOp.SUM) -> float:
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t, op=op)
-        return float(t.item())
+        return all_reduce_scalar(x, op, self.device)
 
     def _prepare(self, trajectories: Any, advantages: Any, strict: bool) -> tuple[list[Any], Any]:
         records, stats = super()._prepare(trajectories, advantages, strict)  # whole batch, same on all ranks
@@ -257,9 +280,14 @@ def free_port() -> int:
 
 
 def rank_device(rank: int, use_gpu: bool) -> str:
-    if use_gpu and torch.cuda.is_available():
-        return f"cuda:{rank % torch.cuda.device_count()}"
-    return "cpu"
+    """``cuda:<rank mod visible devices>`` for a GPU rank (Ray shows an actor only its own
+    GPUs), else ``cpu``. A GPU rank where torch sees no usable GPU fails in one line."""
+    if not use_gpu:
+        return "cpu"
+    from mixrl.runtime.gpu import require_cuda
+
+    require_cuda("trainer.num_gpus > 0")
+    return f"cuda:{rank % torch.cuda.device_count()}"
 
 
 def setup_threads(n: int) -> None:

@@ -99,6 +99,7 @@ class Trainer:
         max_malformed_frac: float | None = None,  # a step dropping more as malformed raises; None = never
         gen_budget: int | None = None,  # generation budget per trajectory, for seq_mean_token_sum_norm
         lr_schedule: Callable[[int], float] | None = None,  # lr multiplier per update (train.schedule)
+        device: str | torch.device | None = None,  # None: where the parameters already are
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {tuple(PRECISIONS)}")
@@ -135,7 +136,8 @@ class Trainer:
         self.share_prefix = (share_prefix and packing and not is_flash(self.attn_impl)
                              and self.attn_impl != "flex_attention" and not self.routing.rr.active)
         self.version = 0
-        model.to(PRECISIONS[precision])
+        # onto the device first: the optimizer (and its fused kernel choice) is built from these tensors
+        model.to(device=torch.device(device) if device is not None else None, dtype=PRECISIONS[precision])
         model.train()
         self.params = [p for p in model.parameters() if p.requires_grad]  # tied weights once
         # bf16/fp16: AdamW updates float32 master copies (a 16-bit weight cannot absorb lr * 1e-3

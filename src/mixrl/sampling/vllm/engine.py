@@ -61,12 +61,13 @@ from mixrl.sampling.base import (
     ReplicaFailure,
     SamplingParams,
 )
-from mixrl.sampling.vllm.formats import detect_platform, vllm_options
+from mixrl.sampling.vllm.formats import allow_amx, detect_platform, vllm_options
 from mixrl.sampling.vllm.outputs import routing_problem, to_result, with_routing
 from mixrl.sampling.vllm.weights import (
     check_names,
     checkpoint_names,
     eos_ids,
+    graph_guard,
     is_moe,
     model_shape,
     per_expert,
@@ -166,7 +167,8 @@ class VLLMEngine(Engine):
     temporary directory removed by ``close``); ``kv_cache_bytes`` (default on CPU:
     room for ``max_batch`` full contexts, at most 4 GiB; on GPUs vLLM's own
     memory-fraction rule);
-    ``max_support_vocab`` (largest vocabulary for ``record="support"``).
+    ``max_support_vocab`` (largest vocabulary for ``record="support"``); ``gpu_memory_utilization``
+    (GPUs: the fraction of its device this engine may take; None: vLLM's default 0.9).
     """
 
     def __init__(
@@ -185,6 +187,7 @@ class VLLMEngine(Engine):
         kv_cache_bytes: int | None = None,
         max_support_vocab: int = 4096,
         prefix_caching: bool = True,
+        gpu_memory_utilization: float | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -198,6 +201,8 @@ class VLLMEngine(Engine):
                 f"max_context must be in [2, config.max_position_embeddings={limit}], got {max_context}"
             )
         self.platform = detect_platform()
+        allow_amx(self.platform)
+        self.graphs = self.platform.kind != "cpu"  # CUDA graphs captured (enforce_eager on CPU only)
         self.options = vllm_options(
             profile, self.platform, head_dim=shape["head_dim"]
         )  # refuses early
@@ -214,6 +219,9 @@ class VLLMEngine(Engine):
         self.vocab, self.tied = shape["vocab"], shape["tied"]
         self.max_support_vocab = max_support_vocab
         self.prefix_caching = prefix_caching  # vLLM's automatic prefix caching, reset on every weights load
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 0.95:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 0.95], got {gpu_memory_utilization}")
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.eos_ids = eos_ids(model_path) if stop_on_eos else frozenset()
         self._names = checkpoint_names(model_path)
         # MoE: vLLM returns the experts each position was routed to where it can
@@ -271,6 +279,8 @@ class VLLMEngine(Engine):
             kw["enable_return_routed_experts"] = True
         if kv_cache_bytes is not None:
             kw["kv_cache_memory_bytes"] = kv_cache_bytes
+        if self.gpu_memory_utilization is not None:  # GPUs: this engine's share of its device
+            kw["gpu_memory_utilization"] = self.gpu_memory_utilization
         if self.in_process:
             kw["distributed_executor_backend"] = "uni"
         set_threads, threads = torch.set_num_threads, torch.get_num_threads()
@@ -296,6 +306,10 @@ class VLLMEngine(Engine):
             f"vLLM engine for group {self.group!r} (profile {getattr(self.profile, 'name', '?')!r}, "
             f"model {self.model_path!r}) failed to start: {type(e).__name__}: {e}"
         )
+
+    @property
+    def llm(self) -> Any:
+        return getattr(self, "_llm", None)  # the ``vllm.LLM``; None once closed
 
     def close(self) -> None:
         """Stop the engine (and its process when not in process); the engine is unusable after."""
@@ -361,7 +375,8 @@ class VLLMEngine(Engine):
             if self._llm is None:
                 raise ReplicaFailure(f"vLLM engine of group {self.group!r} is closed")
             try:
-                self._llm.collective_rpc("reload_weights", kwargs=kwargs)
+                with graph_guard(self._llm, self.graphs):  # stale graph buffers: the version stays
+                    self._llm.collective_rpc("reload_weights", kwargs=kwargs)
                 if self.prefix_caching:
                     self._llm.reset_prefix_cache()
             except Exception as e:
@@ -474,19 +489,8 @@ class VLLMEngine(Engine):
         ]
 
 
-def bench_vllm(
-    model_path: str, prompts: list[list[int]], params: SamplingParams, **kw: Any
-) -> dict[str, float]:
-    """Throughput and FP32 log-prob agreement of vLLM on ``prompts`` (see ``vllm.bench``)."""
-    from mixrl.sampling.vllm.bench import bench_vllm as run
-
-    return run(model_path, prompts, params, **kw)
-
-
 def bench_fields(model_path: str, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """The ``mixrl bench sampler`` hook: ``bench_vllm`` at temperature 1, whole vocabulary."""
-    return bench_vllm(
-        model_path,
-        prompts,
-        SamplingParams(temperature=1.0, max_new_tokens=new_tokens, record="none"),
-    )
+    """The ``mixrl bench sampler`` hook: ``vllm.bench.bench_vllm`` at temperature 1, whole vocabulary."""
+    from mixrl.sampling.vllm.bench import bench_vllm
+
+    return bench_vllm(model_path, prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, record="none"))

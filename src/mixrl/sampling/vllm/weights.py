@@ -18,6 +18,7 @@ Example: ``write_version_dir("/tmp/w", 3, sd, "/models/policy")`` -> ``/tmp/w/v3
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -202,3 +203,53 @@ def per_expert(state_dict: Mapping[str, Any], expected: frozenset[str]) -> Mappi
                 g, u = t[e].chunk(2, dim=0)
                 out[f"{prefix}.{e}.{gate}.weight"], out[f"{prefix}.{e}.{up}.weight"] = g, u
     return out
+
+
+def dense_layer_methods(llm: Any) -> dict[str, list[str]]:
+    """What vLLM applied to the model's dense linear layers, read back from the loaded
+    model (not the option passed in): their quantization method classes and weight dtypes
+    (MoE experts and the embeddings are not linear layers here)."""
+    return llm.apply_model(_dense_methods)[0]
+
+
+def _dense_methods(model: Any) -> dict[str, list[str]]:
+    from vllm.model_executor.layers.linear import LinearBase
+
+    found = [m for name, m in model.named_modules() if isinstance(m, LinearBase) and "lm_head" not in name]
+    return {"methods": sorted({type(m.quant_method).__name__ for m in found}),
+            "weight_dtypes": sorted({str(m.weight.dtype) for m in found if hasattr(m, "weight")}),
+            "layers": [str(len(found))]}
+
+
+class StaleGraphBuffers(RuntimeError):
+    """A weight reload replaced tensors that captured CUDA graphs still point at."""
+
+
+def buffer_pointers(model: Any) -> dict[str, int]:
+    """Where every parameter and buffer of ``model`` lives (``data_ptr``), by name."""
+    out = {f"param:{n}": int(p.data_ptr()) for n, p in model.named_parameters()}
+    out.update({f"buffer:{n}": int(b.data_ptr()) for n, b in model.named_buffers()})
+    return out
+
+
+@contextlib.contextmanager
+def graph_guard(llm: Any, active: bool) -> Iterator[None]:
+    """Around a weight reload while CUDA graphs are captured (``active``).
+
+    A graph replays the kernels it captured on the *addresses* it captured: a reload
+    must copy into the existing tensors. One that allocated a new tensor (a
+    quantization method re-creating its weight, a resized buffer) leaves the graph
+    reading the old one, so decoding would silently use stale weights. Every
+    parameter's and buffer's address is compared before and after; any change raises
+    ``StaleGraphBuffers`` (the caller's version does not advance).
+    """
+    if not active:
+        yield
+        return
+    before = llm.apply_model(buffer_pointers)[0]
+    yield
+    after = llm.apply_model(buffer_pointers)[0]
+    stale = sorted(k for k, ptr in before.items() if after.get(k) != ptr)
+    if stale:
+        raise StaleGraphBuffers(f"the reload reallocated {len(stale)} tensor(s) the CUDA graphs captured "
+                                f"(first: {stale[0]}); the graphs would replay stale weights")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mixrl.config.run import RunConfig
+from mixrl.config.run import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.runtime.backends.embedded.formats import format_key, quantizer, serving_profile
 from mixrl.runtime.backends.embedded.process import ProcessSampler
@@ -43,6 +43,13 @@ from mixrl.runtime.backends.embedded.threads import (
     group_profile,
     locked,
     replica_seed,
+)
+from mixrl.runtime.backends.placement import (
+    check_gpu_plan,
+    replica_device,
+    uses_gpu,
+    visible_env,
+    visible_gpus,
 )
 from mixrl.runtime.handles import Backend, TrainerHandle
 
@@ -62,6 +69,10 @@ class EmbeddedBackend(Backend):
             raise ValueError(f"runtime.sampler_workers must be 'process' or 'thread', got {self.workers!r}")
         self.samplers: dict[str, ProcessSampler | ThreadSampler] = {}
         self._tied: bool | None = None
+        # this host's GPUs: each worker sees only the one it takes (placement.replica_device)
+        self.visible = visible_gpus()
+        if self.visible or cfg.trainer.num_gpus > 0 or any(uses_gpu(g) for g in cfg.fleet.groups):
+            check_gpu_plan(cfg, self.visible)
 
     def _is_tied(self) -> bool:
         if self._tied is None:
@@ -77,6 +88,10 @@ class EmbeddedBackend(Backend):
         # is a rank process too, even alone: this process keeps no CUDA context
         if self.cfg.trainer.world_size > 1 or self.cfg.trainer.num_gpus > 0:
             from mixrl.fleet.shared_weights import SharedVersion
+            from mixrl.runtime.gpu import require_cuda
+
+            if self.cfg.trainer.num_gpus > 0:  # here, in one line, not in every rank's traceback
+                require_cuda("trainer.num_gpus > 0")
             from mixrl.runtime.ranks import LocalRanks
 
             ranks = LocalRanks(self.cfg, self.model_path, self.loss_cfg, publish=SharedVersion.from_state_dict)
@@ -91,14 +106,24 @@ class EmbeddedBackend(Backend):
         serve = serving_profile(prof, fmt)
         seed = replica_seed(self.cfg.runtime.seed, name)
         h: ProcessSampler | ThreadSampler
+        g = next(x for x in self.cfg.fleet.groups if x.name == group)
+        engine_kw = {}
+        if g.gpu_memory_utilization is not None:
+            if prof.engine != "vllm":
+                raise ConfigError(f"fleet group {group!r}: gpu_memory_utilization applies to vLLM profiles only, "
+                                  f"{prof.name!r} is engine={prof.engine!r}")
+            engine_kw["gpu_memory_utilization"] = g.gpu_memory_utilization
         if self.workers == "process":
             h = ProcessSampler(name, group, fmt, prof if fmt is not None else None, self.quantize_slots)
-            await h.start(self.model_path, serve, seed, self.cfg.runtime.torch_threads)
+            device = replica_device(self.cfg, group, int(name.rsplit("/", 1)[-1]), self.visible) if self.visible else None
+            await h.start(self.model_path, serve, seed, self.cfg.runtime.torch_threads,
+                          cuda_visible=visible_env(device) if self.visible else None, engine_kw=engine_kw)
         else:
             from mixrl.sampling.batching import BatchingSampler
             from mixrl.sampling.factory import make_engine
 
-            engine = await asyncio.to_thread(locked, make_engine, self.model_path, serve, group, seed=seed)
+            engine = await asyncio.to_thread(locked, make_engine, self.model_path, serve, group, seed=seed,
+                                             **engine_kw)
             h = ThreadSampler(name, group, BatchingSampler(engine), fmt, quantizer(prof) if fmt is not None else None)
         self.samplers[name] = h
         return h

@@ -85,9 +85,12 @@ class ProcessSampler(SamplerHandle):
 
     # -- life cycle ------------------------------------------------------------------
     async def start(self, model_path: str, profile: Any, seed: int, threads: int, timeout: float = START_TIMEOUT_S,
-                    batching: dict[str, Any] | None = None) -> None:
+                    batching: dict[str, Any] | None = None, cuda_visible: str | None = None,
+                    engine_kw: dict[str, Any] | None = None) -> None:
         """Start the worker and wait until its engine is built. ``batching``: the worker's
-        ``BatchingSampler`` keyword arguments (``max_batch``, ``max_wait_ms``, ``idle_ms``)."""
+        ``BatchingSampler`` keyword arguments (``max_batch``, ``max_wait_ms``, ``idle_ms``);
+        ``cuda_visible``: its ``CUDA_VISIBLE_DEVICES`` (None: inherited); ``engine_kw``: more
+        engine arguments (``gpu_memory_utilization``)."""
         from mixrl.runtime.backends.embedded import worker
 
         ctx = mp_context()
@@ -95,7 +98,8 @@ class ProcessSampler(SamplerHandle):
         self._ready = self._loop.create_future()
         self.conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=worker.main,
-                                args=(child, model_path, profile, self.group, seed, threads, self.quant_profile, batching),
+                                args=(child, model_path, profile, self.group, seed, threads, self.quant_profile, batching,
+                                      cuda_visible, engine_kw),
                                 name=f"mixrl-sampler-{self.name}", daemon=True)
         await asyncio.to_thread(self.proc.start)
         child.close()

@@ -55,7 +55,10 @@ SAMPLER_NICE = 5  # niceness above the parent's (a weight about 3x lower for the
 
 
 def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, threads: int, quant_profile: Any = None,
-         batching: dict[str, Any] | None = None) -> None:
+         batching: dict[str, Any] | None = None, cuda_visible: str | None = None,
+         engine_kw: dict[str, Any] | None = None) -> None:
+    if cuda_visible is not None:  # before anything initialises CUDA: this worker sees its GPU only
+        os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible
     # Ctrl-C reaches the whole process group: the orchestrator handles it (checkpoint, then
     # it stops its workers); a worker dying first would turn the stop into replica failures.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -73,7 +76,8 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
 
         batching = batching or {}
         rows = {"max_batch": batching["max_batch"]} if "max_batch" in batching else {}
-        sampler = BatchingSampler(make_engine(model_path, profile, group, seed=seed, **rows), **batching)
+        sampler = BatchingSampler(make_engine(model_path, profile, group, seed=seed, **rows, **(engine_kw or {})),
+                                  **batching)
     except BaseException:  # noqa: BLE001 - reported to the parent, which counts a failed start
         conn.send(("fatal", 0, traceback.format_exc()))
         conn.close()
@@ -171,7 +175,8 @@ async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
             elif kind == "stats":
                 counts = {k: v + direct[k] for k, v in stats.items()}
                 send(("ok", rid, {**counts, **sunk, "joined_direct": direct["requests"], "prefills": sampler.batches,
-                                  "steps": sampler.steps, "cpu_s": time.process_time()}))
+                                  "steps": sampler.steps, "cpu_s": time.process_time(),
+                                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
             elif kind == "load":
                 manifest, version = payload
                 t0 = time.perf_counter()
