@@ -71,6 +71,18 @@ def test_conversion_keeps_the_source_logits_tokenizer_and_template(tiny, cache: 
     assert {tok.convert_tokens_to_ids("Ġthe"), tok.convert_tokens_to_ids("12")} <= set(ids)  # merges applied
 
 
+def test_a_run_records_the_gguf_digest(tiny, cache: Path) -> None:
+    from mixrl.config.run import RunConfig
+    from mixrl.runtime.inputs import describe_inputs, model_digest
+
+    _, path = tiny
+    out = resolve_model(path)
+    cfg = RunConfig.model_validate({"model": {"path": str(path)}})
+    got = describe_inputs(cfg, str(out))["model"]
+    assert got["gguf"]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert got["path"] == str(path) and got["digest"] == model_digest(out)
+
+
 def test_f16_file_dequantizes_within_f16_rounding(tmp_path: Path, cache: Path) -> None:
     from transformers import AutoModelForCausalLM
 
