@@ -157,6 +157,7 @@ def converted(path: Path, spec: str | Path | None = None) -> Path:
         if (out / "gguf_source.json").is_file():
             return out
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=root))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide the shared cache entry from other users
         try:
             _convert(path, tmp, digest)
         except Exception as e:  # noqa: BLE001 -- any loader failure is the file's, told in one line
