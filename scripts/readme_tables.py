@@ -116,6 +116,61 @@ def goal_cell(row: headlines.Row) -> str:
     return "; ".join(parts) or "—"
 
 
+def table_real() -> str:
+    """The real pretrained model's example: base and trained on its held-out rows, with the gain."""
+    rows, got = [], {}
+    for name, label in (("eval_real_base.json", "SmolLM2-135M-Instruct (base)"),
+                        ("eval_real_final.json", "after `mixrl train examples/real_model/config.toml`")):
+        art = _load(name)
+        if art is None:
+            continue
+        r = art["result"]
+        got[name] = r
+        lo, hi = wilson(r["pass@1"], r["n_tasks"])
+        ci = f"{lo:.3f}-{hi:.3f}" if r.get("n") == 1 else "-"
+        rows.append([label, f"`{art['command']}`", _fmt(r.get("pass@1")), ci, f"{r.get('n_tasks')} x {r.get('n')}",
+                     str(r.get("weights_sha256") or "-")[:12], _machine(art["machine"])])
+    table = _table(["policy", "command", "pass@1", "95% interval", "rows x samples", "weights digest", "machine"],
+                   rows)
+    if len(got) == 2:
+        b, f = got["eval_real_base.json"], got["eval_real_final.json"]
+        lo, hi = newcombe(b["pass@1"], b["n_tasks"], f["pass@1"], f["n_tasks"])
+        table += (f"\n\nGain {f['pass@1'] - b['pass@1']:+.3f}, 95% interval {lo:+.3f} to {hi:+.3f} "
+                  "(Newcombe's hybrid score interval from the two Wilson intervals; "
+                  + ("it excludes 0)." if lo > 0 or hi < 0 else "it does **not** exclude 0).")
+                  )
+    return table
+
+
+def newcombe(p1: float, n1: int, p2: float, n2: int) -> tuple[float, float]:
+    """95% interval of ``p2 - p1`` for two independent proportions (Newcombe 1998, method 10)."""
+    l1, u1 = wilson(p1, n1)
+    l2, u2 = wilson(p2, n2)
+    d = p2 - p1
+    return d - ((p2 - l2) ** 2 + (u1 - p1) ** 2) ** 0.5, d + ((u2 - p2) ** 2 + (p1 - l1) ** 2) ** 0.5
+
+
+def table_probe_real() -> str:
+    """The probe on the real pretrained model beside the bundled policy's, per profile."""
+    real, toy = _load("probe_real.json"), _load("probe.json")
+    if real is None or toy is None:
+        return ""
+    t = toy["result"]["profiles"]
+    rows = []
+    for name, r in real["result"]["profiles"].items():
+        b = t.get(name, {})
+        rows.append([name, f"{r.get('weight_format')} / {r.get('kv_format')}",
+                     _fmt(r.get("mismatch/kl_exact")), _fmt(b.get("mismatch/kl_exact")),
+                     _fmt(r.get("mismatch/tv")), _fmt(b.get("mismatch/tv")),
+                     _fmt(r.get("mismatch/ratio_oob")), _fmt(b.get("mismatch/ratio_oob")),
+                     _fmt(r.get("max_abs_log_ratio")), str(r.get("tokens"))])
+    table = _table(["profile", "weights / KV", "exact KL (real)", "exact KL (toy)", "TV (real)", "TV (toy)",
+                    "outside [0.2, 5] (real)", "outside [0.2, 5] (toy)", "max abs log-ratio (real)",
+                    "tokens (real)"], rows)
+    return (f"Real: `{real['command']}` on {_machine(real['machine'])}; toy: `{toy['command']}` on "
+            f"{_machine(toy['machine'])}.\n\n{table}")
+
+
 def table_bench(link: str = "docs/artifacts/") -> str:
     """One row per headline figure (``mixrl.bench.headlines``), each linking its full JSON."""
     rows, commands = [], []
@@ -161,7 +216,8 @@ def table_make_run() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {"eval": table_eval, "data": table_data, "bench": table_bench,
-                                        "probe": table_probe, "make_run": table_make_run}
+                                        "probe": table_probe, "make_run": table_make_run, "real": table_real,
+                                        "probe_real": table_probe_real}
 
 
 def render(text: str) -> str:

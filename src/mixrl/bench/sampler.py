@@ -105,7 +105,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per side; best is reported")
     parser.add_argument("--model", default="auto",
                         help="'auto' (bundled policy if built, else random reference Qwen3), "
-                             "'bundled', 'random', or an HF model directory")  # fmt: skip
+                             "'bundled', 'random', or any model.path (HF directory, .gguf, pkg:...)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both sides (default 1; 0 = torch's default)")  # fmt: skip
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
@@ -139,8 +139,11 @@ def resolve_model(spec: str, workdir: str, seed: int) -> tuple[str, str]:
             path = bundled_policy_path()
         if path is not None:
             return str(path), f"bundled policy ({path.name})"
-    elif spec != "random":
-        return spec, f"HF directory {spec}"
+    elif spec != "random":  # an HF directory, a GGUF file or pkg: resource, a cached hub id
+        from mixrl.models import loading
+
+        path = loading.resolve_model(spec)
+        return str(path), f"HF directory {spec}" if str(path) == spec else f"{spec} ({path})"
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 

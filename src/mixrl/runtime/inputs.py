@@ -4,7 +4,8 @@
      "data": {"train": {"source": "...", "rows": 200, "digest": "...", "columns": [...]}, "heldout": {...}},
      "reward": ["reward.py:exact_match"]}
 
-The model digest covers the weight and config files of the model directory
+A model converted from a GGUF file also records that file's sha256 and tensor
+types (``model.gguf``). The model digest covers the weight and config files of the model directory
 (names, sizes and contents of files up to 256 MiB; only names and sizes of
 larger ones, which a resumed run would read anyway). The data digests are
 ``mixrl.data.describe``'s content hashes.
@@ -39,6 +40,9 @@ def model_digest(path: str | Path) -> str:
 
 def describe_inputs(cfg: Any, model_path: str) -> dict[str, Any]:
     out: dict[str, Any] = {"model": {"path": cfg.model.path, "resolved": model_path, "digest": model_digest(model_path)}}
+    source = Path(model_path) / "gguf_source.json"  # converted from a GGUF file: its sha256 and formats
+    if source.is_file():
+        out["model"]["gguf"] = json.loads(source.read_text())
     if cfg.data.train is not None:
         from mixrl.data import describe
 

@@ -206,7 +206,8 @@ class ServeCore:
                     base = self.sessions.prompt(st, session, messages, tools)
             except ValueError as e:
                 raise ApiError(400, str(e), param="messages") from None
-            params, n, stop = self._params(body, len(base.tokens), st)
+            prompt_len = len(base.tokens)  # before the reply is recorded into base (n = 1)
+            params, n, stop = self._params(body, prompt_len, st)
             if self.adapt is not None:
                 params = self.adapt(session, params)
             results = await self._choices(session, base, params, n)
@@ -231,8 +232,8 @@ class ServeCore:
         gen = sum(len(r[1]) for r in recorded)
         return {"id": f"chatcmpl-{next(self._ids)}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.model, "choices": choices,
-                "usage": {"prompt_tokens": len(base.tokens), "completion_tokens": gen,
-                          "total_tokens": len(base.tokens) + gen},
+                "usage": {"prompt_tokens": prompt_len, "completion_tokens": gen,
+                          "total_tokens": prompt_len + gen},
                 "mixrl": {"session": None if ephemeral else session, "group": results[0].group,
                           "version": results[0].version, "segment": base.info.get("segment", 0)}}
 
