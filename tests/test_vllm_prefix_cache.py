@@ -90,6 +90,10 @@ def test_prefix_caching_leaves_recorded_logprobs_unchanged(model_dir: str) -> No
         assert _cached(on, turn[0].prompt_ids) >= 128 and _cached(off, turn[0].prompt_ids) == 0
         x, y = on.generate_batch(turn), off.generate_batch(turn)
         _same(x, y)
+        n_prompt = len(turn[0].prompt_ids)  # the counts each result carries (sampler/ metrics per group)
+        assert x[0].timings["reused_tokens"] >= 128 and y[0].timings["reused_tokens"] == 0
+        assert x[0].timings["prefill_tokens"] + x[0].timings["reused_tokens"] == n_prompt
+        assert y[0].timings["prefill_tokens"] == n_prompt
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).eval()
         new = {k: v * 0.8 if v.dim() > 1 else v for k, v in hf.state_dict().items()}
         for e in (on, off):  # a weights load drops every cached block

@@ -62,7 +62,7 @@ from mixrl.sampling.base import (
     SamplingParams,
 )
 from mixrl.sampling.vllm.formats import allow_amx, detect_platform, vllm_options
-from mixrl.sampling.vllm.outputs import routing_problem, to_result, with_routing
+from mixrl.sampling.vllm.outputs import kv_counts, routing_problem, to_result, with_routing
 from mixrl.sampling.vllm.weights import (
     check_names,
     checkpoint_names,
@@ -484,7 +484,8 @@ class VLLMEngine(Engine):
             return [self._run([r], [s])[0] for r, s in zip(reqs, seeds, strict=True)]
         timings = {"generate_s": dt, "batch_size": float(len(reqs))}
         return [
-            with_routing(to_result(o.outputs[0], r.params, version, self.group, timings), o.outputs[0], self.routing)
+            with_routing(to_result(o.outputs[0], r.params, version, self.group,
+                                   {**timings, **kv_counts(o, len(r.prompt_ids))}), o.outputs[0], self.routing)
             for r, o in zip(reqs, outs, strict=True)
         ]
 

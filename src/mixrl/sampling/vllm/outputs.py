@@ -109,3 +109,10 @@ def with_routing(res: GenerationResult, out: Any, moe: bool) -> GenerationResult
         return res
     res.routed_experts = [[[int(e) for e in layer] for layer in tok] for tok in arr[: len(res.token_ids)]]
     return res
+
+
+def kv_counts(out: Any, prompt_len: int) -> dict[str, float]:
+    """Prompt tokens vLLM computed and those it took from its prefix cache (``num_cached_tokens``
+    of a ``RequestOutput``): a result's ``prefill_tokens`` and ``reused_tokens``."""
+    cached = float(getattr(out, "num_cached_tokens", 0) or 0)
+    return {"prefill_tokens": prompt_len - cached, "reused_tokens": cached}
