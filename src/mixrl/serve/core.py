@@ -185,12 +185,17 @@ class ServeCore:
         ephemeral = session is None
         session = session or f"anon-{uuid.uuid4().hex}"
         st = self.sessions.state(session)
+        st.pending += 1
         try:
             return await self._chat(body, session, st, ephemeral, messages, tools, parser, top, heavy)
         except BaseException:
-            if ephemeral or not (st.forks or st.finished or (self.owned is not None and self.owned(session))):
-                self.sessions.discard(session)  # a failed request leaves no empty session behind
+            alone = st.pending == 1  # no other request of this session is waiting for it
+            if alone and (ephemeral or not (st.forks or st.finished
+                                            or (self.owned is not None and self.owned(session)))):
+                self.sessions.discard(session, st)  # a failed request leaves no empty session behind
             raise
+        finally:
+            st.pending -= 1
 
     async def _chat(self, body: dict[str, Any], session: str, st: Any, ephemeral: bool, messages: list[Any],
                     tools: list[Any] | None, parser: str, top: int, heavy: bool) -> dict[str, Any]:

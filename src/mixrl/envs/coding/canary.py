@@ -95,7 +95,7 @@ def with_canaries(source: str, rng: random.Random, per_file: int = 3) -> tuple[s
     tree = ast.parse(source)
     tests = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")]
     taken = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
-    canaries: list[ast.FunctionDef] = []
+    canaries: list[tuple[ast.FunctionDef, ast.FunctionDef]] = []  # (canary, the test it copies)
     for src in rng.sample(tests, len(tests)):
         if len(canaries) >= per_file:
             break
@@ -104,12 +104,11 @@ def with_canaries(source: str, rng: random.Random, per_file: int = 3) -> tuple[s
             continue
         fn.name = _name([t.name for t in tests], taken, rng)
         taken.add(fn.name)
-        canaries.append(fn)
+        canaries.append((fn, src))
     if not canaries:
         return source, []
-    first = min(tree.body.index(t) for t in tests)
     body = list(tree.body)
-    for fn in canaries:
-        body.insert(rng.randint(first, len(body)), fn)
+    for fn, src in canaries:  # after the test it copies: what that test's decorators name is defined
+        body.insert(rng.randint(body.index(src) + 1, len(body)), fn)
     tree.body = body
-    return ast.unparse(ast.fix_missing_locations(tree)) + "\n", [fn.name for fn in canaries]
+    return ast.unparse(ast.fix_missing_locations(tree)) + "\n", [fn.name for fn, _ in canaries]

@@ -58,7 +58,7 @@ from mixrl.envs.untrusted import strip_control
 RUNNER = Path(__file__).with_name("pytest_runner.py")
 ORACLE_CHILD = Path(__file__).with_name("oracle_child.py")
 GRADE_LIMITS = SandboxLimits(cpu_seconds=60, wall_seconds=120.0, output_bytes=2 << 20)
-GRADE_FLOOR_S = 5.0  # the least time a grading is given (a loaded host stretches a 0.1 s grading)
+GRADE_FLOOR_S = 15.0  # the least time a grading is given (a loaded host stretches a 0.1 s grading)
 GRADE_FACTOR = 10.0  # times the reference solution's grading time
 CALIBRATION_S = 120.0  # limit while a task's reference time is being measured
 CANARIES_PER_FILE = 64  # every test with a literal expectation gets a twin, up to this many

@@ -79,7 +79,9 @@ class MemoryPool:
         with self._lock:
             self.waits[kind] += 1
         try:
-            while not self._try(kind, n, ticket, self.budgets()[kind]):
+            while not self._try(kind, n, ticket, budget := self.budgets()[kind]):
+                if n > budget:  # the budget was lowered below this request while it waited
+                    raise SandboxError(f"{kind} memory cap {n} bytes exceeds the {kind} budget {budget} bytes")
                 await asyncio.sleep(POLL_S)
         except BaseException:
             with self._lock:

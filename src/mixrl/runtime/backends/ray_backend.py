@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -94,6 +95,7 @@ class RayBackend(Backend):
         self.samplers: dict[str, RaySampler] = {}
         self.trainer: Any = None
         self._started_here = False
+        self._temp_dir: str | None = None  # the local cluster's session files, removed at shutdown
         self.formats = FormatRefs()  # one quantization per (version, format), in the object store
         self.broadcast = cfg.runtime.ray.weight_transport == "broadcast"
         check_broadcast(cfg)
@@ -115,7 +117,7 @@ class RayBackend(Backend):
             check_cluster_token(address)
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         else:
-            tmp = tempfile.mkdtemp(prefix="mixrl-ray-")
+            tmp = self._temp_dir = tempfile.mkdtemp(prefix="mixrl-ray-")
             ray.init(
                 num_cpus=self.cfg.runtime.ray.num_cpus or max(os.cpu_count() or 1, cpus_needed(self.cfg)),
                 include_dashboard=False, _temp_dir=tmp, log_to_driver=False, configure_logging=False,
@@ -206,3 +208,5 @@ class RayBackend(Backend):
     async def shutdown(self) -> None:
         if self._started_here:
             ray.shutdown()
+            if self._temp_dir is not None:
+                shutil.rmtree(self._temp_dir, ignore_errors=True)

@@ -144,7 +144,9 @@ def allow_amx(plat: Platform) -> None:
     if plat.kind == "cpu" and "amx_tile" in plat.cpu_flags:
         import torch
 
-        torch.cpu._init_amx()
+        init = getattr(torch.cpu, "_init_amx", None)  # torch's own request for the tile state
+        if init is not None:
+            init()
 
 
 def detect_platform() -> Platform:
