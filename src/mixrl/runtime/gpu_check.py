@@ -16,10 +16,16 @@ Checks (each a row of ``checks`` with ``ok`` and its figures):
 - ``colocated`` (CUDA): ``mixrl train`` for 2 steps with an FP8 and a BF16 vLLM group and
   the trainer on one GPU, ``torch.cuda.mem_get_info`` before and after;
 - ``probe_fp8``: ``mixrl probe`` of vLLM's FP8 profile against the built-in engine's emulated
-  FP8 profile on the same prompts and seeds: how well emulation predicts real FP8 mismatch.
+  FP8 profile on the same prompts and seeds: how well emulation predicts real FP8 mismatch;
+- ``train_resume``: ``mixrl train`` on the bundled demo with the trainer on the device
+  (``trainer.num_gpus = 1`` on CUDA) and built-in CPU sampler groups, 2 steps with a
+  checkpoint, then resumed from it to step 4; on CUDA the checkpoint holds the CUDA RNG state;
+- ``fp8_gemm`` (``gpu_check_fp8``): tensor-core FP8 GEMMs against the built-in engine's
+  emulation of them on the same sequences.
 
-A check that cannot run on this machine is listed in ``skipped`` with the reason; an
-exception is a failed check (its message in ``error``), never a skipped one.
+A check that cannot run on this machine (no GPU for a CUDA-only check, a package this
+machine lacks) is listed in ``skipped`` with the reason; an exception is a failed check (its
+message in ``error``), never a skipped one.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ import torch
 # 5.4e-7, bf16 1.3e-3, fp16 2.0e-4)
 TOLERANCE = {"fp32": 64 * 2.0**-23, "bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}
 SIGN_AGREEMENT = {"fp32": 0.999, "bf16": 0.9, "fp16": 0.97}
-CHECKS = ("trainer", "ranks", "ray", "reload", "colocated", "probe")
+CHECKS = ("trainer", "ranks", "train", "fp8_gemm", "ray", "reload", "colocated", "probe")
+TRAIN_STEPS = 4  # the CUDA run's updates; it checkpoints at 2 and resumes from there to 4
 
 
 class Skip(Exception):
@@ -142,6 +149,45 @@ def _placed_ok(where: dict[str, Any], device: str) -> bool:
     return on == {kind} and bool(where["optimizer_devices"]) and (kind != "cuda" or where["max_memory_allocated"] > 0)
 
 
+def needs(*modules: str) -> None:
+    """Skip the check when this machine lacks one of ``modules``."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise Skip(f"{', '.join(missing)} not installed on this machine")
+
+
+def _has_key(tree: Any, key: str) -> bool:
+    if isinstance(tree, dict):
+        return key in tree or any(_has_key(v, key) for v in tree.values())
+    return isinstance(tree, (list, tuple)) and any(_has_key(v, key) for v in tree)
+
+
+def check_train(model: str, device: str, run_dir: Path) -> dict[str, Any]:
+    """``mixrl train`` with its trainer on ``device``: 2 steps with a checkpoint, then resumed to 4."""
+    import subprocess
+
+    cuda = device.startswith("cuda")
+    d = run_dir / "train"
+    sets = ["runtime.checkpoint_every=2", f"trainer.num_gpus={int(cuda)}", f"observe.run_dir={d}", "observe.progress=false",
+            f"model.path={model}"]
+    base = [sys.executable, "-m", "mixrl.cli", "train", "--no-eval", "--json", *[a for x in sets for a in ("--set", x)]]
+    runs = [subprocess.run([*base, "--set", "runtime.steps=2"], capture_output=True, text=True, timeout=300)]
+    runs.append(subprocess.run([*base, "--set", f"runtime.steps={TRAIN_STEPS}", "--resume", str(d)],
+                               capture_output=True, text=True, timeout=300))
+    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+        if (d / "metrics.jsonl").exists() else []
+    steps = [int(r["step"]) for r in rows]
+    rng = [torch.load(f, weights_only=False, map_location="cpu") for f in sorted(d.glob("checkpoints/step_*/*.pt"))]
+    out = {"returncodes": [r.returncode for r in runs], "steps": steps, "losses": [r.get("loss") for r in rows],
+           "checkpoint_has_cuda_rng": any(_has_key(r, "cuda") for r in rng),
+           "stderr_tail": [r.stderr[-1500:] for r in runs if r.returncode]}
+    out["ok"] = (out["returncodes"] == [0, 0] and steps == list(range(1, TRAIN_STEPS + 1))
+                 and all(isinstance(x, float) and x == x for x in out["losses"]) and out["checkpoint_has_cuda_rng"] == cuda)
+    return out
+
+
 def check_ranks(model: str, device: str, run_dir: Path) -> dict[str, Any]:
     """The embedded trainer process (one FSDP2 rank): parameters and AdamW state on the device."""
     import asyncio
@@ -174,6 +220,7 @@ def check_ray(model: str, device: str, run_dir: Path) -> dict[str, Any]:
     """The Ray trainer actor (``world_size = 1``): parameters and AdamW state on its device."""
     import asyncio
 
+    needs("ray")
     from mixrl.runtime.backends.ray_backend import RayBackend
     from mixrl.runtime.run import resolve_loss
     from mixrl.train.trainer import needed_cand_kind
@@ -210,6 +257,7 @@ def _resolved(model: str) -> Path:
 
 def run_checks(args: argparse.Namespace) -> dict[str, Any]:
     from mixrl.runtime import gpu_check_vllm as v
+    from mixrl.runtime.gpu_check_fp8 import check_fp8_gemm
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -219,14 +267,18 @@ def run_checks(args: argparse.Namespace) -> dict[str, Any]:
             plan[f"trainer_step_{p}"] = lambda p=p: check_trainer_step(args.model, args.device, p, out_dir)
     if "ranks" in args.only:
         plan["trainer_ranks"] = lambda: check_ranks(args.model, args.device, out_dir)
+    if "train" in args.only:
+        plan["train_resume"] = lambda: check_train(args.model, args.device, out_dir)
+    if "fp8_gemm" in args.only:
+        plan["fp8_gemm"] = lambda: check_fp8_gemm(args.model, args.device)
     if "ray" in args.only:
         plan["trainer_ray"] = lambda: check_ray(args.model, args.device, out_dir)
     if "reload" in args.only:
-        plan["vllm_reload"] = lambda: v.check_reload(args.model, args.device, out_dir)
+        plan["vllm_reload"] = lambda: (needs("vllm"), v.check_reload(args.model, args.device, out_dir))[1]
     if "colocated" in args.only:
-        plan["colocated"] = lambda: v.check_colocated(args.model, args.device, out_dir)
+        plan["colocated"] = lambda: (needs("vllm"), v.check_colocated(args.model, args.device, out_dir))[1]
     if "probe" in args.only:
-        plan["probe_fp8"] = lambda: v.check_probe(args.model, args.device, args.probe_prompts)
+        plan["probe_fp8"] = lambda: (needs("vllm"), v.check_probe(args.model, args.device, args.probe_prompts))[1]
     checks: dict[str, Any] = {}
     skipped: dict[str, str] = {}
     for name, fn in plan.items():
