@@ -49,6 +49,34 @@ _DIR_LOCK = threading.Lock()
 _COUNTER = iter(range(1 << 62))
 
 
+def checkpoint_bytes(model_path: str | Path, itemsize: int = 4) -> int:
+    """Bytes of the model's weights held as ``itemsize``-byte elements (FP32 by default), read
+    from its safetensors headers without loading a tensor."""
+    from safetensors import safe_open
+
+    n = 0
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shape = h.get_slice(k).get_shape()
+                n += int(torch.Size(shape).numel())
+    return n * itemsize
+
+
+def shm_shortfall(need: int, root: str = "/dev/shm") -> str | None:
+    """One line when ``root`` (RAM-backed shared memory) has less than ``need`` bytes free;
+    None when it has room or does not exist (the versions then go to a temporary directory).
+    Containers often give /dev/shm 64 MiB (Docker's default): a model's weights do not fit."""
+    if not (os.path.isdir(root) and os.access(root, os.W_OK)):
+        return None
+    free = shutil.disk_usage(root).free
+    if free >= need:
+        return None
+    gib = max(1, -(-int(need * 1.25) // 2**30))
+    return (f"{root} has {free / 2**20:.0f} MiB free but the shared weight versions need about "
+            f"{need / 2**20:.0f} MiB; give it more (docker run --shm-size={gib}g, or a larger tmpfs)")
+
+
 def shm_dir() -> Path:
     """This process's private directory under /dev/shm (a temporary directory elsewhere),
     removed when the interpreter exits (``/dev/shm`` is RAM: a process that never called

@@ -56,6 +56,18 @@ from mixrl.runtime.handles import Backend, TrainerHandle
 __all__ = ["EmbeddedBackend", "EmbeddedTrainer", "ProcessSampler", "ThreadSampler", "group_profile", "replica_seed"]
 
 
+def check_shm(cfg: RunConfig, model_path: str) -> None:
+    """Refuse at start-up, in one line, when /dev/shm cannot hold the weight versions the
+    sampler workers map: ``KEEP_VERSIONS`` FP32 copies plus one quantized copy per format."""
+    from mixrl.fleet.shared_weights import checkpoint_bytes, shm_shortfall
+    from mixrl.fleet.weights import KEEP_VERSIONS
+
+    formats = {format_key(group_profile(cfg, g.name), False) for g in cfg.fleet.groups} - {None}
+    problem = shm_shortfall(checkpoint_bytes(model_path) * (KEEP_VERSIONS + len(formats)))
+    if problem is not None:
+        raise ConfigError(problem)
+
+
 class EmbeddedBackend(Backend):
     name = "embedded"
 
@@ -73,6 +85,8 @@ class EmbeddedBackend(Backend):
         self.visible = visible_gpus()
         if self.visible or cfg.trainer.num_gpus > 0 or any(uses_gpu(g) for g in cfg.fleet.groups):
             check_gpu_plan(cfg, self.visible)
+        if self.workers == "process":
+            check_shm(cfg, model_path)
 
     def _is_tied(self) -> bool:
         if self._tied is None:
