@@ -126,14 +126,15 @@ class Orchestrator:
             max_new_tokens=cfg.rollout.max_new_tokens, record=self.derived.record,
             stop_ids=(chat.end_of_turn_id,),
         )
+        self._screen = _screening(self.model_path, self.loss_cfg, cfg)
         self.sessions = Sessions(
             self.fleet, self.buffer, lambda task: make_env(task, chat, **env_opts), params,
             max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.runtime.seed,
             on_complete=self._on_complete, chunk_tokens=cfg.rollout.interrupt_tokens,
+            check=(self._screen["vocab_size"], self._screen["cand_kind"]),
         )
         self.cost = _cost_model(self.profiles)
         self.monitor = _monitor()
-        self._screen = _screening(self.model_path, self.loss_cfg, cfg)
         if self.resume is not None:
             from mixrl.runtime.checkpointing import restore
 

@@ -48,7 +48,6 @@ from torch import Tensor
 from mixrl.config.loss import LossConfig, check_compatible
 from mixrl.corrections import LossInputs, aggregation_denominator, compute_loss
 from mixrl.models.chunked import TokenLogprobs, chunked_logprobs
-from mixrl.rollout.screen import sampling_error
 from mixrl.rollout.types import Trajectory
 from mixrl.train.batch import BatchStats, Record, TrainBatch, collate, prepare
 from mixrl.train.packing import (
@@ -268,19 +267,8 @@ class Trainer:
         vocab = int(self.model.lm_head.weight.shape[0])
         records, stats = prepare(trajectories, advantages, vocab_size=vocab, cand_kind=self.cand_kind,
                                  temperature=self.temperature, strict=strict)
-        kept = []  # the sampling recorded per result must be one the loss can score (rollout.screen)
-        for r in records:
-            err = sampling_error(trajectories[r.index], self.cand_kind)
-            if err is None:
-                kept.append(r)
-                continue
-            msg = f"trajectory {r.index} (prompt {trajectories[r.index].prompt_id!r}): {err}"
-            if strict:
-                raise ValueError(msg)
-            stats.dropped_malformed += 1
-            stats.errors.append(msg)
-        self.routing.attach(kept, trajectories)
-        return kept, stats
+        self.routing.attach(records, trajectories)
+        return records, stats
 
     def step(
         self,
