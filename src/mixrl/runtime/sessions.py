@@ -48,7 +48,7 @@ def task_from_dict(d: dict[str, Any]) -> Task:
 
 
 @dataclasses.dataclass
-class _Shadow:
+class Shadow:
     prompt_id: str
     sample_idx: int
     task: str  # the task family
@@ -102,7 +102,7 @@ class Sessions:
         self.chunk_tokens = chunk_tokens  # > 0: interruptible turns (rollout.session.run_episode)
         self.check = check  # (vocab size, candidate kind): each trajectory is screened when complete
         self.tasks: dict[str, asyncio.Task[None]] = {}  # session id -> asyncio task
-        self.shadows: dict[str, _Shadow] = {}
+        self.shadows: dict[str, Shadow] = {}
         self.finished = 0  # sessions that delivered a trajectory
         self.resume_restarts = 0  # resumed episodes restarted because the env's replay differed
         self.errors: list[BaseException] = []
@@ -121,7 +121,7 @@ class Sessions:
             sid = f"{task.prompt_id}#{i}"
             if sid in self.tasks:
                 raise RuntimeError(f"session {sid} is already running")
-            self.shadows[sid] = _Shadow(task.prompt_id, i, task.family, base=resume.get(i))
+            self.shadows[sid] = Shadow(task.prompt_id, i, task.family, base=resume.get(i))
             self.tasks[sid] = asyncio.ensure_future(self._session(task, i, sid, resume.get(i), min_version))
 
     async def _session(self, task: Task, idx: int, sid: str, resume: Trajectory | None, min_version: int) -> None:
