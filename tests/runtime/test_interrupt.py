@@ -25,7 +25,7 @@ from mixrl.fleet.weights import WeightStore, copy_state_dict
 from mixrl.rollout.session import piece_id, run_episode
 from mixrl.rollout.types import Trajectory
 from mixrl.runtime.backends.inprocess import InProcessBackend
-from mixrl.runtime.batch import mixed_version_turns
+from mixrl.runtime.episodes import mixed_version_turns
 from mixrl.runtime.run import train
 from mixrl.runtime.sessions import Shadow
 from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams

@@ -28,8 +28,9 @@ every step, so small updates are not lost to bf16 rounding. Log-probabilities
 and the loss are float32 either way (see ``mixrl.models.chunked``).
 
 Metrics are those of ``compute_loss`` over the whole batch (a detached pass
-when the batch was cut into micro-batches), plus ``optim/*``, ``rollout/staleness_*``
-and ``train/*`` counters. A step whose gradient norm is not finite leaves the
+when the batch was cut into micro-batches), plus ``optim/*`` and ``train/*``
+counters (``train/version`` included); the staleness of the batch is the
+buffer's (``rollout/staleness_*``), the per-token split the loss's (``precision/*``, ``lag/*``). A step whose gradient norm is not finite leaves the
 weights unchanged (``optim/skipped_steps``); ``version`` still advances by one
 per call, so it always equals the number of completed steps.
 """
@@ -378,12 +379,6 @@ class Trainer:
             "train/nonfinite_sampler": float(stats.nonfinite_sampler),
             "perf/train_step_s": seconds,
         }
-        versions = torch.cat([r.versions for r in records]) if records else torch.zeros(0, dtype=torch.long)
-        versions = versions[versions >= 0]
-        if versions.numel():  # trainer version the update started from − token version
-            stale = (self.version - 1 - versions).float()
-            out["rollout/staleness_mean"] = float(stale.mean())
-            out["rollout/staleness_max"] = float(stale.max())
         return out
 
     # ------------------------------------------------------------------ weights and state
