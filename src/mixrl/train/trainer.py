@@ -46,7 +46,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixrl.config.loss import LossConfig, check_compatible
+from mixrl.config.loss import LossConfig
+from mixrl.config.presets import check_updates, needs
 from mixrl.corrections import LossInputs, aggregation_denominator, compute_loss
 from mixrl.models.chunked import TokenLogprobs, chunked_logprobs
 from mixrl.rollout.types import Trajectory
@@ -62,13 +63,6 @@ from mixrl.train.packing import (
 from mixrl.train.routing_replay import TrainerRouting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}  # fp64: references
-
-
-def needed_cand_kind(cfg: LossConfig) -> str:
-    """Candidates of q the loss needs: support for replay, head for full-vocabulary SC."""
-    if cfg.support_replay:
-        return "support"
-    return "head" if cfg.score_centering else "none"
 
 
 class MalformedBatchError(RuntimeError):
@@ -115,10 +109,7 @@ class Trainer:
                 raise ValueError(f"{name} must be >= 1, got {b}")
         if packing and micro_batch_size is not None:
             raise ValueError("micro_batch_size counts padded rows; with packing bound micro-batches by micro_batch_tokens")
-        check_compatible(loss_cfg, epochs, minibatches)
-        if minibatches > 1 and loss_cfg.score_centering:
-            raise ValueError(f"loss.score_centering=True with minibatches={minibatches}: score centering "
-                             "needs p_θ == p_old where the gradient is taken; set minibatches=1")
+        check_updates(loss_cfg, epochs, minibatches)
         self.model, self.loss_cfg = model, loss_cfg
         self.epochs, self.minibatches, self.temperature = epochs, minibatches, temperature
         self.micro_batch_size, self.chunk_size, self.pad_id, self.seed = micro_batch_size, chunk_size, pad_id, seed
@@ -129,7 +120,7 @@ class Trainer:
         self.attn_impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         self.max_malformed_frac, self.gen_budget = max_malformed_frac, gen_budget
         self.lr_schedule, self.base_lr = lr_schedule, lr
-        self.cand_kind = needed_cand_kind(loss_cfg)
+        self.cand_kind = needs(loss_cfg).cand_kind  # candidates of q the loss needs
         self.routing = TrainerRouting(model, loss_cfg.routing_replay)  # MoE: replay, routing mismatch
         # a shared prefix needs a 4D mask (no varlen kernel), and MoE routing records address one
         # model-input cell per generated token, which a shared prefix would merge
