@@ -1,13 +1,15 @@
 """Rollout workers: the concurrent sessions of the prompts in flight.
 
 ``Sessions.issue(task)`` opens the prompt in the buffer and starts its G
-sessions (asyncio tasks) with ``run_episode``; each finished trajectory goes
-into the buffer. Every turn goes through ``Fleet.generate`` (sticky routing,
+sessions (asyncio tasks) with ``run_episode``; each finished trajectory is
+screened once (``Trajectory.screen``: the verdict the advantages and the trainer
+read) and goes into the buffer. Every turn goes through ``Fleet.generate`` (sticky routing,
 retries across replicas), so a session lives through replica failures and
 weight updates; each token keeps the version and group that produced it.
 
 For checkpoints every session keeps a *shadow*: the turns it completed (the
-request prefix and the result). ``partials()`` turns the shadows into partial
+request prefix, its sampling parameters and the result), grown into a partial
+trajectory by the trajectory's own append methods. ``partials()`` turns the shadows into partial
 trajectories at turn granularity, which ``run_episode(resume=...)`` replays
 after a restart; a turn still being decoded at checkpoint time is decoded
 again after resume. An environment whose replay gives other tokens than the

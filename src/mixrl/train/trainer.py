@@ -3,7 +3,8 @@
 One :meth:`Trainer.step` turns a batch of trajectories into one new weights
 version::
 
-    records = prepare(trajectories)                    # validate, drop + count malformed
+    records = prepare(trajectories)                    # convert; drop + count malformed (Trajectory.screen)
+    records = parallel.shard(records)                  # this process's part (train.parallel; all on one)
     p_old   = no-grad pass                             # only when epochs * minibatches > 1
     for epoch, minibatch:                              # one AdamW step per minibatch
         D = aggregation_denominator(minibatch)         # once, over the whole minibatch
