@@ -45,25 +45,31 @@ def _guarded(target: Any, rank: int, world: int, port: int, q: Any, *args: Any) 
 def _scalar_collectives(rank: int, world: int, port: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from mixrl.train.distributed import RankTrainer
+    from mixrl.train.parallel import Ranks
+    from mixrl.train.trainer import Trainer
 
     dev = fake_device.init_group(rank, world, port)
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
         dist.all_reduce(torch.zeros(1))  # the harness: a CPU tensor cannot take part
-    rt = object.__new__(RankTrainer)  # only the collective plumbing: no model on this device
-    rt.rank, rt.world, rt.device, rt.gen_budget = rank, world, dev, None
-    out = {"sum": rt._all(rank + 1.5), "max": rt._all(rank + 1.5, dist.ReduceOp.MAX),
-           "pad": rt._micro([]).pad,
-           "D": rt.denominator([], "seq_mean_token_sum_norm", None, None)}
+    p = Ranks(root=None, device=dev)  # only the collective plumbing: no model on this device
+    tr = object.__new__(Trainer)  # the trainer's denominator over the seam, with no records on this rank
+    tr.parallel, tr.gen_budget = p, None
+    p.pad(0)  # every rank ran as many passes as the busiest: nothing to pad (an all-reduce of the count)
+    out = {"sum": p.all_sum(rank + 1.5), "max": p.all_max(rank + 1.5),
+           "shard": p.shard(list(range(5))),
+           "D": tr.denominator([], "seq_mean_token_sum_norm", None, None),
+           "metrics": p.reduce({"loss": 1.0 + rank, "optim/grad_norm": 2.0 * rank})}
     dist.destroy_process_group()
     return out
 
 
 def test_rank_collectives_run_on_the_ranks_device_not_cpu() -> None:
-    """Loss denominator, micro-batch lockstep and ``_all`` under a group with no CPU backend."""
+    """Loss denominator, micro-batch lockstep, all-reduce and metrics under a group with no CPU backend."""
     got = _spawn(_scalar_collectives, 2)
+    assert [r["shard"] for r in got] == [[0, 1], [2, 3, 4]]
     for r in got:
-        assert r == {"sum": 1.5 + 2.5, "max": 2.5, "pad": 0, "D": 0.0}
+        assert {k: r[k] for k in ("sum", "max", "D")} == {"sum": 1.5 + 2.5, "max": 2.5, "D": 0.0}
+        assert r["metrics"] == {"loss": 3.0, "optim/grad_norm": 1.0, "train/world_size": 2.0}
 
 
 def _tiny_policy(path: Any) -> str:
@@ -103,9 +109,9 @@ def test_cpu_ranks_stay_on_cpu_on_a_host_with_an_accelerator(tmp_path: Any, prec
     accelerator); ``optim.precision = "fp16"`` trains under ranks."""
     import math
 
+    from mixrl.config.presets import needs
     from mixrl.config.run import build_config
     from mixrl.runtime.run import resolve_loss
-    from mixrl.train.trainer import needed_cand_kind
     from tests.test_fsdp import batch
 
     policy = _tiny_policy(tmp_path / "tiny")
@@ -116,7 +122,7 @@ def test_cpu_ranks_stay_on_cpu_on_a_host_with_an_accelerator(tmp_path: Any, prec
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(policy))
-    b = batch(vocab, needed_cand_kind(loss_cfg), 4, seed=0)
+    b = batch(vocab, needs(loss_cfg).cand_kind, 4, seed=0)
     got = _spawn(_cpu_rank_on_gpu_host, 2, cfg.model_dump(mode="json"), policy, loss_cfg, b)
     for r in got:
         assert r["devices"] == ["cpu"] and r["meshes"] == ["cpu"] and r["opt_devices"] == ["cpu"]
@@ -127,7 +133,7 @@ def test_cpu_ranks_stay_on_cpu_on_a_host_with_an_accelerator(tmp_path: Any, prec
 def test_a_gpu_torch_cannot_use_is_named_in_one_line(tmp_path: Any) -> None:
     from mixrl.config.run import ConfigError
     from mixrl.runtime.gpu import cuda_problem, require_cuda
-    from mixrl.train.distributed import rank_device
+    from mixrl.runtime.ranks import rank_device
 
     if torch.cuda.is_available():
         pytest.skip("torch can use this machine's GPU")
@@ -227,10 +233,11 @@ def test_probe_closes_every_engine_it_builds(tmp_path: Any, monkeypatch: pytest.
 def test_flash_attention_selects_one_packed_row_per_micro_batch() -> None:
     """The kernel a CUDA bf16 trainer gets with flash_attn installed makes the trainer plan
     one packed row per micro-batch (sequences cut by position ids, no mask); SDPA does not."""
+    from mixrl.config.presets import needs
     from mixrl.config.run import build_config
     from mixrl.models.policy import attn_implementation_for, load_policy
     from mixrl.runtime.run import resolve_loss
-    from mixrl.train.trainer import Trainer, needed_cand_kind
+    from mixrl.train.trainer import Trainer
     from tests.test_fsdp import batch
 
     loss_cfg = resolve_loss(build_config({"model": {"path": "bundled"}}))[0]
@@ -239,7 +246,7 @@ def test_flash_attention_selects_one_packed_row_per_micro_batch() -> None:
         model, _ = load_policy("bundled", device="cpu")
         model.config._attn_implementation = impl  # what from_pretrained sets on that device
         tr = Trainer(model, loss_cfg, lr=1e-3, packing=True, micro_batch_tokens=64)
-        trajs, adv = batch(int(model.lm_head.weight.shape[0]), needed_cand_kind(loss_cfg), 12, seed=3)
+        trajs, adv = batch(int(model.lm_head.weight.shape[0]), needs(loss_cfg).cand_kind, 12, seed=3)
         records, _ = tr._prepare(trajs, adv, True)
         rows[impl] = [len(mb.rows) for mb in tr._micro(records)]
     assert set(rows["flash_attention_2"]) == {1}  # one row each

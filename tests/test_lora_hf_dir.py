@@ -8,7 +8,7 @@ import pytest
 import torch
 from gguf_model import write_tiny_gguf
 
-from mixrl.runtime.checkpointing import write_hf_dir
+from mixrl.train.export import write_hf_dir
 
 
 def test_adapter_only_state_is_merged_onto_the_base(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -35,6 +35,7 @@ FORMAT = 1
 
 async def save(orch: Orchestrator) -> Path | None:
     from mixrl.train.checkpoint import save_checkpoint
+    from mixrl.train.export import write_hf_dir
 
     trainer = await orch.trainer.state()
     # -- from here on, no await until the payload is complete: one consistent instant
@@ -60,33 +61,6 @@ async def save(orch: Orchestrator) -> Path | None:
         dirs["hf"] = lambda out: write_hf_dir(out, model, orch.model_path, orch.tokenizer, scaling)
     return save_checkpoint(Path(orch.cfg.observe.run_dir), orch.step,
                            {"trainer": trainer, "orchestrator": orchestrator}, dirs=dirs)
-
-
-def write_hf_dir(out: Path, state_dict: dict[str, Any], model_path: str, tokenizer: Any,
-                 lora_scaling: float | None = None) -> None:
-    """``state_dict`` as an HF model directory: the architecture of ``model_path``, its weights
-    through ``save_pretrained`` (tied weights handled as transformers does), the tokenizer.
-    A LoRA trainer's state holds the adapters only: they are merged onto ``model_path``'s
-    weights (``W + lora_scaling * B A``)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if any(".lora_" in k for k in state_dict):
-        from mixrl.train.lora import merged_state_dict
-
-        if lora_scaling is None:
-            raise ValueError("a LoRA state needs lora_scaling (trainer.lora.alpha / rank) to be merged")
-        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).state_dict()
-        layered = {k.replace(".weight", ".base_layer.weight") if k.replace(".weight", ".lora_A.default.weight")
-                   in state_dict else k: v for k, v in base.items()}
-        state_dict = merged_state_dict({**layered, **state_dict}, lora_scaling)
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):  # no allocation: the tensors are assigned from the state dict
-        model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict(state_dict, strict=True, assign=True)
-    model.tie_weights()
-    model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))
 
 
 def load(run_dir: str | Path) -> dict[str, Any] | None:

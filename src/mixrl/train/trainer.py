@@ -3,7 +3,8 @@
 One :meth:`Trainer.step` turns a batch of trajectories into one new weights
 version::
 
-    records = prepare(trajectories)                    # validate, drop + count malformed
+    records = prepare(trajectories)                    # convert; drop + count malformed (Trajectory.screen)
+    records = parallel.shard(records)                  # this process's part (train.parallel; all on one)
     p_old   = no-grad pass                             # only when epochs * minibatches > 1
     for epoch, minibatch:                              # one AdamW step per minibatch
         D = aggregation_denominator(minibatch)         # once, over the whole minibatch
@@ -28,8 +29,9 @@ every step, so small updates are not lost to bf16 rounding. Log-probabilities
 and the loss are float32 either way (see ``mixrl.models.chunked``).
 
 Metrics are those of ``compute_loss`` over the whole batch (a detached pass
-when the batch was cut into micro-batches), plus ``optim/*``, ``rollout/staleness_*``
-and ``train/*`` counters. A step whose gradient norm is not finite leaves the
+when the batch was cut into micro-batches), plus ``optim/*`` and ``train/*``
+counters (``train/version`` included); the staleness of the batch is the
+buffer's (``rollout/staleness_*``), the per-token split the loss's (``precision/*``, ``lag/*``). A step whose gradient norm is not finite leaves the
 weights unchanged (``optim/skipped_steps``); ``version`` still advances by one
 per call, so it always equals the number of completed steps.
 """
@@ -45,10 +47,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixrl.config.loss import LossConfig, check_compatible
+from mixrl.config.loss import LossConfig
+from mixrl.config.presets import check_updates, needs
 from mixrl.corrections import LossInputs, aggregation_denominator, compute_loss
 from mixrl.models.chunked import TokenLogprobs, chunked_logprobs
-from mixrl.rollout.screen import sampling_error
 from mixrl.rollout.types import Trajectory
 from mixrl.train.batch import BatchStats, Record, TrainBatch, collate, prepare
 from mixrl.train.packing import (
@@ -59,16 +61,10 @@ from mixrl.train.packing import (
     micro_batches,
     model_inputs,
 )
+from mixrl.train.parallel import Single
 from mixrl.train.routing_replay import TrainerRouting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}  # fp64: references
-
-
-def needed_cand_kind(cfg: LossConfig) -> str:
-    """Candidates of q the loss needs: support for replay, head for full-vocabulary SC."""
-    if cfg.support_replay:
-        return "support"
-    return "head" if cfg.score_centering else "none"
 
 
 class MalformedBatchError(RuntimeError):
@@ -100,6 +96,7 @@ class Trainer:
         gen_budget: int | None = None,  # generation budget per trajectory, for seq_mean_token_sum_norm
         lr_schedule: Callable[[int], float] | None = None,  # lr multiplier per update (train.schedule)
         device: str | torch.device | None = None,  # None: where the parameters already are
+        parallel: Single | None = None,  # how the step is split over processes (train.parallel); None: one
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {tuple(PRECISIONS)}")
@@ -115,10 +112,7 @@ class Trainer:
                 raise ValueError(f"{name} must be >= 1, got {b}")
         if packing and micro_batch_size is not None:
             raise ValueError("micro_batch_size counts padded rows; with packing bound micro-batches by micro_batch_tokens")
-        check_compatible(loss_cfg, epochs, minibatches)
-        if minibatches > 1 and loss_cfg.score_centering:
-            raise ValueError(f"loss.score_centering=True with minibatches={minibatches}: score centering "
-                             "needs p_θ == p_old where the gradient is taken; set minibatches=1")
+        check_updates(loss_cfg, epochs, minibatches)
         self.model, self.loss_cfg = model, loss_cfg
         self.epochs, self.minibatches, self.temperature = epochs, minibatches, temperature
         self.micro_batch_size, self.chunk_size, self.pad_id, self.seed = micro_batch_size, chunk_size, pad_id, seed
@@ -129,13 +123,14 @@ class Trainer:
         self.attn_impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         self.max_malformed_frac, self.gen_budget = max_malformed_frac, gen_budget
         self.lr_schedule, self.base_lr = lr_schedule, lr
-        self.cand_kind = needed_cand_kind(loss_cfg)
+        self.cand_kind = needs(loss_cfg).cand_kind  # candidates of q the loss needs
         self.routing = TrainerRouting(model, loss_cfg.routing_replay)  # MoE: replay, routing mismatch
         # a shared prefix needs a 4D mask (no varlen kernel), and MoE routing records address one
         # model-input cell per generated token, which a shared prefix would merge
         self.share_prefix = (share_prefix and packing and not is_flash(self.attn_impl)
                              and self.attn_impl != "flex_attention" and not self.routing.rr.active)
         self.version = 0
+        self.parallel = parallel or Single()
         # onto the device first: the optimizer (and its fused kernel choice) is built from these tensors
         model.to(device=torch.device(device) if device is not None else None, dtype=PRECISIONS[precision])
         model.train()
@@ -217,22 +212,27 @@ class Trainer:
     # ------------------------------------------------------------------ step
 
     def denominator(self, records: list[Record], mode: str, G: int | None, max_len: int | None) -> float:
-        seq_ids = torch.cat([torch.full((int(r.gen_pos.numel()),), i) for i, r in enumerate(records)])
+        """The aggregation denominator D of the whole (mini)batch: a sum over its records."""
         max_len = max_len if max_len is not None else self.gen_budget  # D = S · budget = prompts · G · budget
-        if mode == "seq_mean_token_sum_norm" and max_len is None:
-            max_len = max(int(r.gen_pos.numel()) for r in records)  # no budget given: documented fallback
-        return aggregation_denominator(mode, torch.ones(seq_ids.shape[0], dtype=torch.bool), seq_ids,
-                                       len(records), G=G, max_len=max_len)
+        if mode == "seq_mean_token_sum_norm" and max_len is None:  # no budget given: documented fallback
+            max_len = int(self.parallel.all_max(max((int(r.gen_pos.numel()) for r in records), default=0)))
+        d = 0.0
+        if records:
+            seq_ids = torch.cat([torch.full((int(r.gen_pos.numel()),), i) for i, r in enumerate(records)])
+            d = aggregation_denominator(mode, torch.ones(seq_ids.shape[0], dtype=torch.bool), seq_ids,
+                                        len(records), G=G, max_len=max_len)
+        return self.parallel.all_sum(d)
 
     def _accumulate(self, mini: list[Record], denom: float, decoupled: bool, first: bool,
                     names: list[str]) -> tuple[float, dict[str, float], int]:
         """Backward over ``mini`` in micro-batches with the shared ``denom``; grads accumulate."""
         loss_sum, n_micro = 0.0, 0
         metrics: dict[str, float] = {}
-        for micro in self._micro(mini):
+        micros = self._micro(mini)
+        for micro in micros:
             mb = micro.records
             tb = collate_micro(micro, self.pad_id).to(self.device)
-            out = self._forward(tb, mb)
+            out = self.parallel.forward(self._forward, tb, mb)
             old = tb.old_logprobs if decoupled else out.logprobs.detach()
             cold = tb.cand_old_logprobs if decoupled else out.cand_logprobs.detach()
             assert old is not None and cold is not None
@@ -245,6 +245,7 @@ class Trainer:
                 self._store(mb, out, "trainer_logprobs", "cand_trainer_logprobs", "entropy")
                 if not decoupled:
                     self._store(mb, out, "old_logprobs", "cand_old_logprobs")
+        self.parallel.pad(len(micros))
         return loss_sum, metrics, n_micro
 
     def backward(self, trajectories: Sequence[Trajectory], advantages: Sequence[float | Sequence[float]] | Tensor,
@@ -258,6 +259,7 @@ class Trainer:
         records, stats = self._prepare(trajectories, advantages, strict)
         if not records:
             return {}
+        records = self.parallel.shard(records)
         denom = self.denominator(records, denom_mode or self.loss_cfg.aggregation, G, max_len)
         loss, metrics, n_micro = self._accumulate(records, denom, False, True, stats.group_names)
         if n_micro > 1:
@@ -268,19 +270,8 @@ class Trainer:
         vocab = int(self.model.lm_head.weight.shape[0])
         records, stats = prepare(trajectories, advantages, vocab_size=vocab, cand_kind=self.cand_kind,
                                  temperature=self.temperature, strict=strict)
-        kept = []  # the sampling recorded per result must be one the loss can score (rollout.screen)
-        for r in records:
-            err = sampling_error(trajectories[r.index], self.cand_kind)
-            if err is None:
-                kept.append(r)
-                continue
-            msg = f"trajectory {r.index} (prompt {trajectories[r.index].prompt_id!r}): {err}"
-            if strict:
-                raise ValueError(msg)
-            stats.dropped_malformed += 1
-            stats.errors.append(msg)
-        self.routing.attach(kept, trajectories)
-        return kept, stats
+        self.routing.attach(records, trajectories)
+        return records, stats
 
     def step(
         self,
@@ -295,7 +286,8 @@ class Trainer:
         """One optimizer update (or ``epochs * minibatches`` of them); returns the metrics."""
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         mode = denom_mode or self.loss_cfg.aggregation
-        records, stats = self._prepare(trajectories, advantages, strict)
+        batch, stats = self._prepare(trajectories, advantages, strict)
+        records = self.parallel.shard(batch)  # this process's part (all of it on one process)
         frac = self.max_malformed_frac
         if frac is not None and stats.dropped_malformed > frac * len(trajectories):  # else a silent no-op
             raise MalformedBatchError(
@@ -312,9 +304,12 @@ class Trainer:
             decoupled = self.epochs * self.minibatches > 1
             if decoupled:  # p_old fixed at θ_old for every epoch and minibatch
                 with torch.no_grad():
-                    for micro in self._micro(records, self.forward_micro_batch_tokens):
-                        out = self._forward(collate_micro(micro, self.pad_id).to(self.device), micro.records)
+                    micros = self._micro(records, self.forward_micro_batch_tokens)
+                    for micro in micros:
+                        tb = collate_micro(micro, self.pad_id).to(self.device)
+                        out = self.parallel.forward(self._forward, tb, micro.records)
                         self._store(micro.records, out, "old_logprobs", "cand_old_logprobs")
+                    self.parallel.pad(len(micros))
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.version)
             loss0, n_micro = 0.0, 0
             for epoch in range(self.epochs):
@@ -334,7 +329,7 @@ class Trainer:
             metrics["loss"] = loss0 / n_mini  # mean over the epoch-0 minibatches
         self.version += 1
         skipped = sum(not math.isfinite(x) for x in norms)
-        metrics.update(self._counters(records, stats, norms, skipped, time.perf_counter() - t0))
+        metrics.update(self._counters(batch, stats, norms, skipped, time.perf_counter() - t0))
         # CPU of the thread that ran the update: with one torch thread (runtime.torch_threads = 1)
         # the whole update, and wall / CPU above 1 means it waited for a core or the interpreter
         # lock; with more, torch's intra-op worker threads are not in it. The process's CPU over
@@ -343,7 +338,7 @@ class Trainer:
         metrics["perf/train_step_cpu_s"] = time.thread_time() - c0
         metrics["perf/train_step_process_cpu_s"] = time.process_time() - p0
         metrics.update(self.routing.metrics(stats.group_names))
-        return metrics
+        return self.parallel.reduce(metrics)
 
     def _batch_metrics(self, records: list[Record], stats: BatchStats, mode: str,
                        G: int | None, max_len: int | None) -> dict[str, float]:
@@ -390,12 +385,6 @@ class Trainer:
             "train/nonfinite_sampler": float(stats.nonfinite_sampler),
             "perf/train_step_s": seconds,
         }
-        versions = torch.cat([r.versions for r in records]) if records else torch.zeros(0, dtype=torch.long)
-        versions = versions[versions >= 0]
-        if versions.numel():  # trainer version the update started from − token version
-            stale = (self.version - 1 - versions).float()
-            out["rollout/staleness_mean"] = float(stale.mean())
-            out["rollout/staleness_max"] = float(stale.max())
         return out
 
     # ------------------------------------------------------------------ weights and state
