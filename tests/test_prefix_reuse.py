@@ -216,7 +216,7 @@ def test_budget_bounds_the_kept_kv_and_evictions_are_counted(model):
 def test_fleet_sums_the_counts_per_group(model):
     from transformers import AutoModelForCausalLM
 
-    from mixrl.config.run import build_config
+    from mixrl.config import build_config
     from mixrl.fleet.fleet import Fleet, GroupSpec
     from mixrl.fleet.weights import WeightStore, copy_state_dict
     from mixrl.runtime.backends.inprocess import InProcessBackend

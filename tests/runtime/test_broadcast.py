@@ -135,7 +135,7 @@ def test_closing_a_channel_wakes_a_send_waiting_for_its_replica() -> None:
 def test_the_fleet_loads_the_newest_version_when_a_load_was_superseded(tiny_policy: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from mixrl.config.run import build_config
+    from mixrl.config import build_config
     from mixrl.fleet.fleet import Fleet, GroupSpec
     from mixrl.fleet.handles import Superseded
     from mixrl.fleet.weights import WeightStore, copy_state_dict

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mixrl.config.run import build_config
+from mixrl.config import build_config
 from mixrl.fleet.fleet import Fleet, GroupSpec, SessionFailed
 from mixrl.fleet.router import READY, NoReplicaAvailable
 from mixrl.fleet.weights import WeightStore, copy_state_dict

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mixrl.config.run import ConfigError, build_config
+from mixrl.config import ConfigError, build_config
 from mixrl.runtime.backends.placement import check_gpu_plan, replica_device, visible_env
 
 

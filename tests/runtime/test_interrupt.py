@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from mixrl.config.run import build_config
+from mixrl.config import build_config
 from mixrl.envs.base import Env, StepResult, Task
 from mixrl.fleet.fleet import Fleet, GroupSpec
 from mixrl.fleet.weights import WeightStore, copy_state_dict

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from mixrl.config.run import to_toml
+from mixrl.config import to_toml
 
 from .test_run import tiny_cfg
 

@@ -97,7 +97,7 @@ def _print_safely(text: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mixrl.config.run import ConfigError, load_config, to_toml
+    from mixrl.config import ConfigError, load_config, to_toml
     from mixrl.runtime.quiet import silence_libraries
 
     silence_libraries()
@@ -149,7 +149,7 @@ def _train(cfg: Any, args: argparse.Namespace, run_dir: Path) -> int:
     import logging
     import traceback
 
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
     from mixrl.data import DataError
     from mixrl.envs.rewards import RewardError
     from mixrl.observe.sinks import SinkUnavailable

@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-from mixrl.config.run import Derived, RunConfig
+from mixrl.config import Derived, RunConfig
 from mixrl.envs.base import Task
 from mixrl.fleet.autoscaler import Autoscaler
 from mixrl.fleet.fleet import Fleet, GroupSpec

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mixrl.config.run import Derived, RunConfig, derive, to_toml
+from mixrl.config import Derived, RunConfig, derive, to_toml
 from mixrl.runtime.heap import settled_heap
 
 
@@ -28,9 +28,9 @@ def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
     """The loss config (preset + overrides) and the derived sampling values."""
     from pydantic import ValidationError
 
+    from mixrl.config import ConfigError, format_errors
     from mixrl.config.loss import LossConfig
     from mixrl.config.presets import check_run, get_preset
-    from mixrl.config.run import ConfigError, format_errors
 
     try:
         preset = get_preset(cfg.loss.preset)
@@ -55,7 +55,7 @@ def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
 
 def group_profiles(cfg: RunConfig) -> dict[str, Any]:
     """Each fleet group's precision profile with its overrides applied; a bad one is a ``ConfigError``."""
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
     from mixrl.sampling.profiles import get_profile, with_overrides
 
     out = {}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixrl.config.run import ConfigError, RunConfig
+from mixrl.config import ConfigError, RunConfig
 
 
 def bundle(num_cpus: float, num_gpus: float, memory_gb: float, accelerator_type: str | None) -> dict[str, float]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from mixrl.config.run import RunConfig
+from mixrl.config import RunConfig
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationRequest, GenerationResult
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 
-from mixrl.config.run import ConfigError
+from mixrl.config import ConfigError
 
 
 class RayAuthError(ConfigError):

@@ -46,7 +46,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mixrl.config.run import ConfigError, RunConfig
+from mixrl.config import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.runtime.backends.format_refs import FormatRefs
 from mixrl.runtime.backends.placement import bundle, check_broadcast, cpus_needed

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mixrl.config.run import ConfigError, RunConfig
+from mixrl.config import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.runtime.backends.embedded.formats import format_key, quantizer, serving_profile
 from mixrl.runtime.backends.embedded.process import ProcessSampler
