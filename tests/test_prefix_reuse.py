@@ -219,11 +219,11 @@ def test_fleet_sums_the_counts_per_group(model):
     from mixrl.config import build_config
     from mixrl.fleet.fleet import Fleet, GroupSpec
     from mixrl.fleet.weights import WeightStore, copy_state_dict
-    from mixrl.runtime.backends.inprocess import InProcessBackend
+    from mixrl.runtime.backends.embedded import EmbeddedBackend
 
     async def main() -> dict[str, float]:
         cfg = build_config({"fleet": {"groups": [{"name": "a", "profile": "fp32", "replicas": 1}]}})
-        backend = InProcessBackend(cfg, model, None)
+        backend = EmbeddedBackend(cfg, model, None)
         fleet = Fleet([GroupSpec("a", 1.0, 1, 0, 1)], backend.make_sampler, WeightStore(), seed=0)
         fleet.publish(0, copy_state_dict(AutoModelForCausalLM.from_pretrained(model).state_dict()))
         await fleet.start()

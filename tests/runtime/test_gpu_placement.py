@@ -119,7 +119,7 @@ def test_each_ray_sampler_actor_sees_only_its_gpus(tiny_policy: Path, tmp_path: 
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    ray_auth._require_token_mode()
+    ray_auth.require_token_mode()
     cfg = build_config({
         "model": {"path": str(tiny_policy)}, "runtime": {"backend": "ray"},
         "fleet": {"groups": [

@@ -231,7 +231,7 @@ class EvalConfig(_Section):
 class RuntimeConfig(_Section):
     """The orchestrator: backend, scheduling mode, length, checkpoints."""
 
-    backend: Literal["embedded", "inprocess", "ray"] = Field(default="embedded", description='how handles are made: "embedded" (one machine; "inprocess" is its former name) or "ray"')
+    backend: Literal["embedded", "ray"] = Field(default="embedded", description='how handles are made: "embedded" (one machine) or "ray"')
     sampler_workers: Literal["process", "thread"] = Field(default="process", description="embedded backend: sampler replicas as worker processes, or as threads of the orchestrator (reproducible schedule, for tests)")
     mode: Literal["async", "sync"] = Field(default="async", description="async: samplers never wait; sync: samplers wait for every update")
     max_staleness: int | None = Field(default=None, ge=0, le=1 << 20, description="bound on trainer version - token version; None = unbounded")

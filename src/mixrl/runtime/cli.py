@@ -35,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue the run in RUN_DIR")
     parser.add_argument("--overwrite", action="store_true", help="replace what is in the run directory")
-    parser.add_argument("--backend", choices=("embedded", "inprocess", "ray"), default=None, help="override runtime.backend")
+    parser.add_argument("--backend", choices=("embedded", "ray"), default=None, help="override runtime.backend")
     parser.add_argument("--no-eval", action="store_true", help="skip the final held-out evaluation")
     parser.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
 

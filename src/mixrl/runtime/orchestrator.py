@@ -39,8 +39,10 @@ from typing import Any
 from mixrl.config import Derived, RunConfig
 from mixrl.envs.base import Task
 from mixrl.fleet.autoscaler import Autoscaler
+from mixrl.fleet.cost import CostModel
 from mixrl.fleet.fleet import Fleet, GroupSpec
 from mixrl.fleet.weights import WeightStore
+from mixrl.observe.monitor import CollapseMonitor
 from mixrl.rollout.advantages import batch_advantages
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.runtime import batch as batchlib
@@ -131,8 +133,8 @@ class Orchestrator:
             max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.runtime.seed,
             on_complete=self._on_complete, chunk_tokens=cfg.rollout.interrupt_tokens,
         )
-        self.cost = _cost_model(self.profiles)
-        self.monitor = _monitor()
+        self.cost = CostModel.from_profiles(self.profiles)
+        self.monitor = CollapseMonitor()
         self._screen = _screening(self.model_path, self.loss_cfg, cfg)
         if self.resume is not None:
             from mixrl.runtime.checkpointing import restore
@@ -333,15 +335,6 @@ class Orchestrator:
         await self.trainer.close()
 
 
-def _cost_model(profiles: dict[str, Any]) -> Any:
-    try:
-        from mixrl.fleet.cost import CostModel
-    except ImportError as e:  # optional component
-        print(f"warning: cost model unavailable ({e}); cost/* metrics are skipped")
-        return None
-    return CostModel.from_profiles(profiles)
-
-
 def _screening(model_path: str, loss_cfg: Any, cfg: RunConfig) -> dict[str, Any]:
     """Keywords of ``rollout.advantages.batch_advantages`` for this run."""
     from transformers import AutoConfig
@@ -352,12 +345,3 @@ def _screening(model_path: str, loss_cfg: Any, cfg: RunConfig) -> dict[str, Any]
     vocab = int(AutoConfig.from_pretrained(model_path).vocab_size)
     return {"vocab_size": vocab, "cand_kind": needs(loss_cfg).cand_kind,
             "overlong": cfg.rollout.overlong, "budget": generation_budget(cfg)}
-
-
-def _monitor() -> Any:
-    try:
-        from mixrl.observe.monitor import CollapseMonitor
-    except ImportError as e:
-        print(f"warning: collapse monitor unavailable ({e}); collapse.jsonl is not written")
-        return None
-    return CollapseMonitor()

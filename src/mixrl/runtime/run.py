@@ -77,9 +77,9 @@ def make_backend(cfg: RunConfig, model_path: str, loss_cfg: Any) -> Any:
         from mixrl.runtime.backends.ray_backend import RayBackend
 
         return RayBackend(cfg, model_path, loss_cfg)
-    from mixrl.runtime.backends.inprocess import InProcessBackend
+    from mixrl.runtime.backends.embedded import EmbeddedBackend
 
-    return InProcessBackend(cfg, model_path, loss_cfg)
+    return EmbeddedBackend(cfg, model_path, loss_cfg)
 
 
 class _RunSinks:
@@ -287,29 +287,10 @@ def run_eval(cfg: RunConfig, base_path: str, final_path: str) -> dict[str, Any]:
               temperature=cfg.rollout.temperature, env_options=dict(cfg.env.options),
               chat_template=cfg.model.chat_template)
     t0 = time.perf_counter()
-    out["final"] = _call_eval(evaluate, final_path, kw)
+    out["final"] = evaluate(final_path, **kw)
     if e.base:
-        out["base"] = _call_eval(evaluate, base_path, kw)
-        fk, bk = _score(out["final"], e.k), _score(out["base"], e.k)
-        if fk is not None and bk is not None:
-            out["gain"] = fk - bk
+        out["base"] = evaluate(base_path, **kw)
+        out["gain"] = out["final"][f"pass@{e.k}"] - out["base"][f"pass@{e.k}"]
     out["eval_s"] = time.perf_counter() - t0
     return out
 
-
-def _call_eval(evaluate: Any, path: str, kw: dict[str, Any]) -> dict[str, Any]:
-    """Call ``evaluate`` with the keywords it accepts."""
-    import inspect
-
-    params = inspect.signature(evaluate).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kw = {k: v for k, v in kw.items() if k in params}
-    return dict(evaluate(path, **kw))
-
-
-def _score(res: dict[str, Any], k: int) -> float | None:
-    for key in (f"pass@{k}", "pass_at_k", "score", "reward"):
-        v = res.get(key)
-        if isinstance(v, int | float):
-            return float(v)
-    return None

@@ -51,7 +51,7 @@ from mixrl.fleet.handles import SamplerHandle
 from mixrl.runtime.backends.format_refs import FormatRefs
 from mixrl.runtime.backends.placement import bundle, check_broadcast, cpus_needed
 from mixrl.runtime.backends.ray_actors import RankActor, SamplerActor, TrainerActor
-from mixrl.runtime.backends.ray_auth import RayAuthError, _require_token_mode, check_cluster_token  # noqa: F401
+from mixrl.runtime.backends.ray_auth import RayAuthError, check_cluster_token, require_token_mode  # noqa: F401
 from mixrl.runtime.backends.ray_handles import RayRanks, RaySampler, RayTrainer
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.sampling.base import ReplicaFailure
@@ -112,7 +112,7 @@ class RayBackend(Backend):
         if ray.is_initialized():
             return
         address = self.cfg.runtime.ray.address or os.environ.get("RAY_ADDRESS")
-        _require_token_mode()
+        require_token_mode()
         if address:
             check_cluster_token(address)
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
@@ -154,7 +154,7 @@ class RayBackend(Backend):
 
     async def make_sampler(self, group: str, name: str) -> SamplerHandle:
         from mixrl.runtime.backends.embedded.formats import format_key, serving_profile
-        from mixrl.runtime.backends.inprocess import group_profile, replica_seed
+        from mixrl.runtime.backends.embedded.threads import group_profile, replica_seed
 
         trainer = self.trainer.actor if self.broadcast and self.trainer is not None else None
         if self.broadcast and trainer is None:  # before placing anything, so nothing is left behind

@@ -12,8 +12,7 @@
 ``worker`` + ``process``) so sampling and training overlap on separate cores,
 or ``"thread"`` (``threads``), the replicas inside this process, for tests
 that need a fully reproducible schedule. Either way the orchestrator sees the
-same handles. ``runtime.backend = "inprocess"`` is the former name of this
-backend and selects it too.
+same handles.
 
 Each worker sets ``runtime.torch_threads`` torch threads. Replicas whose
 format can be pre-quantized (``formats.format_key``) run their engine with the
