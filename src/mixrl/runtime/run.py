@@ -187,9 +187,8 @@ def train(
     """
     import torch
 
-    from mixrl.envs.registry import activate
+    from mixrl.models.loading import load_tokenizer
     from mixrl.runtime.checkpointing import load
-    from mixrl.runtime.inputs import check_unchanged, describe_inputs
     from mixrl.runtime.orchestrator import Orchestrator
     from mixrl.runtime.progress import ProgressBar
     from mixrl.runtime.quiet import quiet_loaded, silence_libraries
@@ -200,27 +199,7 @@ def train(
     payload = load(run_dir) if resume else None
     if resume and payload is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
-    activate(cfg)  # the dataset, reward functions and env options the sources and envs use
-    from mixrl.models.loading import check_model, load_tokenizer
-
-    model_path = str(check_model(cfg.model.path, cfg.model.chat_template))  # ConfigError before any run dir
-    from mixrl.sampling.support import (
-        check_fleet,  # an architecture an engine cannot run: refused now
-    )
-
-    check_fleet(model_path, group_profiles(cfg), routing_replay=resolve_loss(cfg)[0].routing_replay)
-    inputs = describe_inputs(cfg, model_path)
-    if payload is not None:
-        check_unchanged(run_dir, inputs)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    start_log(run_dir)
-    if payload is not None:
-        for name in ("metrics.jsonl", "batches.jsonl"):
-            _truncate_jsonl(run_dir / name, int(payload["step"]))
-    loss_cfg, derived = resolve_loss(cfg)
-    (run_dir / "config.toml").write_text(to_toml(cfg) + "\n")
-    (run_dir / "derived.json").write_text(json.dumps({**derived.__dict__, "model_path": model_path}, indent=2) + "\n")
-    (run_dir / "inputs.json").write_text(json.dumps(inputs, indent=2) + "\n")
+    model_path, loss_cfg, derived = prepare_run_dir(cfg, run_dir, payload)
     profiles = group_profiles(cfg)
     quiet_loaded()
     tokenizer = load_tokenizer(model_path, cfg.model.chat_template)
@@ -257,6 +236,40 @@ def train(
         sinks.close()
     orch = summary.pop("orchestrator")
     summary["wall_s"] = time.perf_counter() - t0
+    summary["history"] = orch.history
+    return conclude(cfg, summary, model_path, run_dir, evaluate)
+
+
+def prepare_run_dir(cfg: RunConfig, run_dir: Path, payload: dict[str, Any] | None) -> tuple[str, Any, Derived]:
+    """Check the model, fleet and (on resume) the inputs, then write the run directory's
+    config files; returns (model path, loss config, derived values)."""
+    from mixrl.envs.registry import activate
+    from mixrl.models.loading import check_model
+    from mixrl.runtime.inputs import check_unchanged, describe_inputs
+    from mixrl.sampling.support import check_fleet
+
+    activate(cfg)  # the dataset, reward functions and env options the sources and envs use
+    model_path = str(check_model(cfg.model.path, cfg.model.chat_template))  # ConfigError before any run dir
+    # an architecture an engine cannot run: refused now
+    check_fleet(model_path, group_profiles(cfg), routing_replay=resolve_loss(cfg)[0].routing_replay)
+    inputs = describe_inputs(cfg, model_path)
+    if payload is not None:
+        check_unchanged(run_dir, inputs)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start_log(run_dir)
+    if payload is not None:
+        for name in ("metrics.jsonl", "batches.jsonl"):
+            _truncate_jsonl(run_dir / name, int(payload["step"]))
+    loss_cfg, derived = resolve_loss(cfg)
+    (run_dir / "config.toml").write_text(to_toml(cfg) + "\n")
+    (run_dir / "derived.json").write_text(json.dumps({**derived.__dict__, "model_path": model_path}, indent=2) + "\n")
+    (run_dir / "inputs.json").write_text(json.dumps(inputs, indent=2) + "\n")
+    return model_path, loss_cfg, derived
+
+
+def conclude(cfg: RunConfig, summary: dict[str, Any], model_path: str, run_dir: Path,
+             evaluate: bool | None) -> dict[str, Any]:
+    """The held-out evaluation (unless off, interrupted or without held-out data) and ``summary.json``."""
     do_eval = cfg.runtime.eval.enabled if evaluate is None else evaluate
     if do_eval and cfg.data.train is not None and not (cfg.data.heldout or cfg.data.heldout_fraction):
         do_eval = False
@@ -264,7 +277,6 @@ def train(
     if do_eval and not summary["interrupted"]:
         summary["eval"] = run_eval(cfg, model_path, str(run_dir / "policy"))
         (run_dir / "eval.json").write_text(json.dumps(summary["eval"], indent=2) + "\n")
-    summary["history"] = orch.history
     (run_dir / "summary.json").write_text(
         json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2, default=float) + "\n"
     )
