@@ -63,17 +63,17 @@ def batch(vocab: int, kind: str, n: int, seed: int) -> tuple[list[Trajectory], l
 
 def run_both(policy: str, tmp: Path, steps: int = 3, n: int = 8, **trainer: Any) -> dict[str, Any]:
     """The same ``steps`` batches through 1 in-process rank and 2 FSDP2 ranks."""
+    from mixrl.config.presets import needs
     from mixrl.runtime.ranks import LocalRanks
     from mixrl.runtime.run import resolve_loss
     from mixrl.runtime.trainer_state import build_trainer
-    from mixrl.train.trainer import needed_cand_kind
 
     cfg1, cfg2 = fsdp_cfg(policy, tmp / "one", 1, **trainer), fsdp_cfg(policy, tmp / "two", 2, **trainer)
     loss_cfg = resolve_loss(cfg1)[0]
     single, _ = build_trainer(cfg1, policy, loss_cfg)
     start = single.state_dict_for_samplers()
     vocab = int(single.model.lm_head.weight.shape[0])
-    kind = needed_cand_kind(loss_cfg)
+    kind = needs(loss_cfg).cand_kind
 
     async def main() -> dict[str, Any]:
         ranks = await LocalRanks(cfg2, policy, loss_cfg).started()
@@ -157,18 +157,18 @@ def test_a_killed_rank_raises_rank_failure_not_a_hang(tmp_path: Path) -> None:
 
     from transformers import AutoModelForCausalLM
 
+    from mixrl.config.presets import needs
     from mixrl.models.policy import tiny_config
     from mixrl.models.tokenizer import save_tokenizer
     from mixrl.runtime.ranks import LocalRanks, RankFailure
     from mixrl.runtime.run import resolve_loss
-    from mixrl.train.trainer import needed_cand_kind
 
     path = tmp_path / "tiny"
     tok = save_tokenizer(path)
     AutoModelForCausalLM.from_config(tiny_config(len(tok), pad_id=tok.pad_token_id)).save_pretrained(path)
     cfg = fsdp_cfg(str(path), tmp_path / "run", 2)
     loss_cfg = resolve_loss(cfg)[0]
-    trajs, adv = batch(len(tok), needed_cand_kind(loss_cfg), 8, seed=0)
+    trajs, adv = batch(len(tok), needs(loss_cfg).cand_kind, 8, seed=0)
 
     async def main() -> tuple[float, list[Any]]:
         ranks = await LocalRanks(cfg, str(path), loss_cfg).started()

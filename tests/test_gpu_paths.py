@@ -104,8 +104,8 @@ def test_cpu_ranks_stay_on_cpu_on_a_host_with_an_accelerator(tmp_path: Any, prec
     import math
 
     from mixrl.config import build_config
+    from mixrl.config.presets import needs
     from mixrl.runtime.run import resolve_loss
-    from mixrl.train.trainer import needed_cand_kind
     from tests.test_fsdp import batch
 
     policy = _tiny_policy(tmp_path / "tiny")
@@ -116,7 +116,7 @@ def test_cpu_ranks_stay_on_cpu_on_a_host_with_an_accelerator(tmp_path: Any, prec
     from transformers import AutoTokenizer
 
     vocab = len(AutoTokenizer.from_pretrained(policy))
-    b = batch(vocab, needed_cand_kind(loss_cfg), 4, seed=0)
+    b = batch(vocab, needs(loss_cfg).cand_kind, 4, seed=0)
     got = _spawn(_cpu_rank_on_gpu_host, 2, cfg.model_dump(mode="json"), policy, loss_cfg, b)
     for r in got:
         assert r["devices"] == ["cpu"] and r["meshes"] == ["cpu"] and r["opt_devices"] == ["cpu"]
@@ -228,9 +228,10 @@ def test_flash_attention_selects_one_packed_row_per_micro_batch() -> None:
     """The kernel a CUDA bf16 trainer gets with flash_attn installed makes the trainer plan
     one packed row per micro-batch (sequences cut by position ids, no mask); SDPA does not."""
     from mixrl.config import build_config
+    from mixrl.config.presets import needs
     from mixrl.models.policy import attn_implementation_for, load_policy
     from mixrl.runtime.run import resolve_loss
-    from mixrl.train.trainer import Trainer, needed_cand_kind
+    from mixrl.train.trainer import Trainer
     from tests.test_fsdp import batch
 
     loss_cfg = resolve_loss(build_config({"model": {"path": "bundled"}}))[0]
@@ -239,7 +240,7 @@ def test_flash_attention_selects_one_packed_row_per_micro_batch() -> None:
         model, _ = load_policy("bundled", device="cpu")
         model.config._attn_implementation = impl  # what from_pretrained sets on that device
         tr = Trainer(model, loss_cfg, lr=1e-3, packing=True, micro_batch_tokens=64)
-        trajs, adv = batch(int(model.lm_head.weight.shape[0]), needed_cand_kind(loss_cfg), 12, seed=3)
+        trajs, adv = batch(int(model.lm_head.weight.shape[0]), needs(loss_cfg).cand_kind, 12, seed=3)
         records, _ = tr._prepare(trajs, adv, True)
         rows[impl] = [len(mb.rows) for mb in tr._micro(records)]
     assert set(rows["flash_attention_2"]) == {1}  # one row each

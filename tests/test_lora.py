@@ -78,10 +78,10 @@ def test_only_adapters_train_checkpoint_and_export(policy: str, tmp_path: Path) 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from mixrl.config.presets import needs
     from mixrl.runtime.run import resolve_loss
     from mixrl.runtime.trainer_state import build_trainer, save_policy
     from mixrl.train.lora import LoraTrainer
-    from mixrl.train.trainer import needed_cand_kind
 
     cfg = lora_cfg(policy, tmp_path)
     loss_cfg = resolve_loss(cfg)[0]
@@ -92,7 +92,7 @@ def test_only_adapters_train_checkpoint_and_export(policy: str, tmp_path: Path) 
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     vocab = int(trainer.model.lm_head.weight.shape[0])
     for s in range(2):
-        trajs, adv = batch(vocab, needed_cand_kind(loss_cfg), 8, seed=s)
+        trajs, adv = batch(vocab, needs(loss_cfg).cand_kind, 8, seed=s)
         trainer.step(trajs, adv)
     after = trainer.model.state_dict()
     changed = {k for k in after if not torch.equal(after[k], before[k])}

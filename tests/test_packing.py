@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from mixrl.config.presets import get_preset
+from mixrl.config.presets import get_preset, needs
 from mixrl.rollout.types import Trajectory
 from mixrl.train.batch import collate, prepare
 from mixrl.train.packing import (
@@ -27,7 +27,7 @@ from mixrl.train.packing import (
     row_caps,
     used_len,
 )
-from mixrl.train.trainer import Trainer, needed_cand_kind
+from mixrl.train.trainer import Trainer
 
 torch.set_num_threads(1)
 V = 40
@@ -186,7 +186,7 @@ def _per_record(records, lp, ent, clp):
                                                ("sdpa", "position_ids", False), ("sdpa", "position_ids", True)])
 def test_packed_logprobs_candidates_and_replay_match_unpacked(preset, kind, attn, mode, one_row):
     cfg = get_preset(preset).loss
-    assert needed_cand_kind(cfg) == kind
+    assert needs(cfg).cand_kind == kind
     trajs, adv = batch(16, kind, seed=5)
     tr = Trainer(tiny(0, attn), cfg, lr=1e-3, precision="fp64", chunk_size=7)
     records, _ = tr._prepare(trajs, adv, strict=True)

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from mixrl.config.presets import get_preset
+from mixrl.config.presets import get_preset, needs
 from mixrl.corrections import LossInputs, aggregation_denominator, compute_loss
 from mixrl.rollout.types import Trajectory
 from mixrl.train.batch import collate, prepare
-from mixrl.train.trainer import Trainer, needed_cand_kind
+from mixrl.train.trainer import Trainer
 
 torch.set_num_threads(1)
 V = 48
@@ -65,7 +65,7 @@ def make_batch(n: int, kind: str, seed: int = 0):
 
 def naive_loss(model, trajs, adv, cfg, temperature=1.0):
     """Reference: full [B, L, V] logits + log_softmax, dense support mask, compute_loss."""
-    kind = needed_cand_kind(cfg)
+    kind = needs(cfg).cand_kind
     records, stats = prepare(trajs, adv, vocab_size=V, cand_kind=kind)
     tb = collate(records)
     logits = model(input_ids=tb.input_ids, attention_mask=tb.attention_mask).logits / temperature
@@ -213,7 +213,7 @@ def test_one_step_form_has_zero_policy_tv_and_staleness():
     tr.step(trajs, adv)
     m = tr.step(trajs, adv)  # tokens of version 0, trainer at 1
     assert m["policy/tv"] == 0.0
-    assert m["rollout/staleness_mean"] == 1.0 and m["rollout/staleness_max"] == 1.0
+    assert m["lag/tokens"] == sum(t.num_generated for t in trajs) and m["precision/tokens"] == 0  # staleness 1
 
 
 def test_trainer_state_round_trip():

@@ -6,13 +6,13 @@ import pytest
 import torch
 from test_packing import V, tiny  # the same tiny float64 Qwen3
 
-from mixrl.config.presets import get_preset
+from mixrl.config.presets import get_preset, needs
 from mixrl.models.chunked import chunked_logprobs
 from mixrl.rollout.types import Trajectory
 from mixrl.train import prefix
 from mixrl.train.batch import collate, prepare
 from mixrl.train.packing import micro_batches, model_inputs, pack, used_len
-from mixrl.train.trainer import Trainer, needed_cand_kind
+from mixrl.train.trainer import Trainer
 
 torch.set_num_threads(1)
 
@@ -128,7 +128,7 @@ def _per_record(records, out):
 @pytest.mark.parametrize("attn,budget,multi_turn", [("sdpa", None, False), ("eager", 60, False), ("sdpa", 45, True)])
 def test_shared_logprobs_match_separate_rows_float64(preset, kind, attn, budget, multi_turn):
     cfg = get_preset(preset).loss
-    assert needed_cand_kind(cfg) == kind
+    assert needs(cfg).cand_kind == kind
     trajs, adv = grouped(4, 6, kind, seed=2, multi_turn=multi_turn)
     tr = Trainer(tiny(0, attn), cfg, lr=1e-3, precision="fp64", chunk_size=7)
     records, _ = tr._prepare(trajs, adv, strict=True)

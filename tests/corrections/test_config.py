@@ -1,4 +1,4 @@
-"""LossConfig validation, check_compatible, and the named presets."""
+"""LossConfig validation, check_updates, and the named presets."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from pydantic import ValidationError
 
 from corrections.reference import make_batch, to_inputs
-from mixrl.config.loss import MIS, LossConfig, check_compatible
-from mixrl.config.presets import PRESETS, SEED_ARMS, Preset, get_preset
+from mixrl.config.loss import MIS, LossConfig
+from mixrl.config.presets import PRESETS, SEED_ARMS, Preset, check_updates, get_preset
 from mixrl.corrections import aggregation_denominator, compute_loss
 
 EXPECTED = {
@@ -94,15 +94,15 @@ def test_masks_compose_with_weights_and_infinite_bounds_are_allowed():
     ) == LossConfig(corrections=[MIS()])
 
 
-def test_check_compatible():
-    check_compatible(get_preset("sc+mis").loss, 1)
-    check_compatible(get_preset("decoupled-ppo").loss, 4)
-    with pytest.raises(ValueError, match=r"score_centering=True with epochs=2"):
-        check_compatible(LossConfig(score_centering=True, objective={"type": "ppo_clip"}), 2)
-    with pytest.raises(ValueError, match=r"objective\.type='pg' with epochs=3"):
-        check_compatible(LossConfig(), 3)
-    with pytest.raises(ValueError, match="epochs must be >= 1"):
-        check_compatible(LossConfig(), 0)
+def test_check_updates():
+    check_updates(get_preset("sc+mis").loss, 1)
+    check_updates(get_preset("decoupled-ppo").loss, 4)
+    with pytest.raises(ValueError, match=r"optim\.epochs=2 \(loss\.objective\.type='ppo_clip'\): score centering"):
+        check_updates(LossConfig(score_centering=True, objective={"type": "ppo_clip"}), 2)
+    with pytest.raises(ValueError, match=r"optim\.minibatches=3 \(loss\.objective\.type='pg'\): the pg objective"):
+        check_updates(LossConfig(), 1, 3)
+    with pytest.raises(ValueError, match="optim.epochs must be >= 1"):
+        check_updates(LossConfig(), 0)
 
 
 def test_presets_all_construct_and_run():

@@ -66,20 +66,19 @@ def test_advantages_leave_out_malformed_trajectories():
 
 
 def test_trainer_uses_the_recorded_sampling_parameters():
-    from mixrl.rollout.screen import record_sampling
     from mixrl.sampling.base import SamplingParams
 
     t = _traj(0, 3)
-    record_sampling(t, SamplingParams(temperature=0.7, top_p=1.0))
+    t.record_sampling(SamplingParams(temperature=0.7, top_p=1.0))
     assert t.info["sampling"] == [{"temperature": 0.7, "top_p": 1.0, "top_k": 0}] and t.info["temperature"] == 0.7
     tr = Trainer(_model(), get_preset("grpo").loss, lr=1e-3, temperature=1.0)
     (rec,), _ = tr._prepare([t], [1.0], False)
     assert rec.temperature == 0.7  # not the run-wide 1.0
     # top-p sampling without support replay, or two temperatures in one trajectory: malformed
     bad_p, bad_t = _traj(1, 3), _traj(2, 3)
-    record_sampling(bad_p, SamplingParams(top_p=0.9))
-    record_sampling(bad_t, SamplingParams(temperature=1.0))
-    record_sampling(bad_t, SamplingParams(temperature=0.5))
+    bad_p.record_sampling(SamplingParams(top_p=0.9))
+    bad_t.record_sampling(SamplingParams(temperature=1.0))
+    bad_t.record_sampling(SamplingParams(temperature=0.5))
     recs, stats = tr._prepare([t, bad_p, bad_t], [1.0, 1.0, 1.0], False)
     assert len(recs) == 1 and stats.dropped_malformed == 2
     assert "top_p=0.9" in stats.errors[0] and "mixes temperatures" in stats.errors[1]

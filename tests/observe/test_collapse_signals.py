@@ -1,7 +1,7 @@
 """The seed's collapse signals in the rollout metrics: empty last replies, reply spans."""
 
 from mixrl.rollout.types import Trajectory
-from mixrl.runtime.batch import reply_spans, rollout_metrics
+from mixrl.runtime.episodes import reply_spans, rollout_metrics
 
 
 def _traj(mask, status="ok", reward=1.0):

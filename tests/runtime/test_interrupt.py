@@ -25,9 +25,9 @@ from mixrl.fleet.weights import WeightStore, copy_state_dict
 from mixrl.rollout.session import piece_id, run_episode
 from mixrl.rollout.types import Trajectory
 from mixrl.runtime.backends.embedded import EmbeddedBackend
-from mixrl.runtime.batch import mixed_version_turns
+from mixrl.runtime.episodes import mixed_version_turns
 from mixrl.runtime.run import train
-from mixrl.runtime.sessions import _Shadow
+from mixrl.runtime.sessions import Shadow
 from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 
 from .test_run import assert_complete_and_unique, metrics, tiny_cfg
@@ -132,10 +132,10 @@ def _res(ids: list[int], finish: str, version: int) -> GenerationResult:
 
 def test_a_checkpoint_inside_a_cut_turn_resumes_it(tiny_policy: Path) -> None:
     # The shadow after two cut pieces of turn 0 (4 tokens each, versions 0 and 1): no finish reason yet.
-    sh = _Shadow("p0", 0)
+    sh = Shadow("p0", 0, "one")
     r1 = GenerationRequest(list(PROMPT), SamplingParams(max_new_tokens=4), piece_id("p0/0/0", 0, True))
-    sh.turns.append((list(PROMPT), _res([40, 41, 42, 43], "length", 0), True))
-    sh.turns.append((PROMPT + [40, 41, 42, 43], _res([44, 45, 46, 47], "length", 1), True))
+    sh.turns.append((list(PROMPT), r1.params, _res([40, 41, 42, 43], "length", 0), True))
+    sh.turns.append((PROMPT + [40, 41, 42, 43], r1.params, _res([44, 45, 46, 47], "length", 1), True))
     assert r1.request_id == "p0/0/0~"
     part = sh.partial()
     assert part is not None and part.info["finish_reasons"] == [] and part.versions[-8:] == [0] * 4 + [1] * 4

@@ -19,10 +19,10 @@ def test_two_rank_actors_match_one_trainer(tiny_policy: Path, tmp_path: Path) ->
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from test_fsdp import batch, max_abs_diff
 
+    from mixrl.config.presets import needs
     from mixrl.runtime.backends.ray_backend import RayBackend
     from mixrl.runtime.run import resolve_loss
     from mixrl.runtime.trainer_state import build_trainer
-    from mixrl.train.trainer import needed_cand_kind
 
     cfg = tiny_cfg(tiny_policy, tmp_path, trainer={"world_size": 2}, runtime={"backend": "ray"})
     cfg.optim.packing = False
@@ -31,7 +31,7 @@ def test_two_rank_actors_match_one_trainer(tiny_policy: Path, tmp_path: Path) ->
     one.trainer.world_size = 1
     single = build_trainer(one, str(tiny_policy), loss_cfg)[0]
     vocab = int(single.model.lm_head.weight.shape[0])
-    batches = [batch(vocab, needed_cand_kind(loss_cfg), 8, seed=s) for s in range(2)]
+    batches = [batch(vocab, needs(loss_cfg).cand_kind, 8, seed=s) for s in range(2)]
     for trajs, adv in batches:
         single.step(trajs, adv)
 

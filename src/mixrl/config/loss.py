@@ -279,27 +279,3 @@ class LossConfig(_Strict):
             if isinstance(c, TIS | MIS):
                 return c
         return None
-
-
-def check_compatible(loss_cfg: LossConfig, epochs: int, minibatches: int = 1) -> None:
-    """Reject loss settings that are undefined for ``epochs`` × ``minibatches`` optimizer steps.
-
-    Score centering and the ``pg`` objective assume ``p_θ == p_old`` where the
-    gradient is taken (one step per batch, section 7); with several steps per
-    batch they would silently drop the policy ratio, so they are errors, not guesses.
-    """
-    for name, n in (("epochs", epochs), ("minibatches", minibatches)):
-        if n < 1:
-            raise ValueError(f"{name} must be >= 1, got {n}")
-    for name, n in (("epochs", epochs), ("minibatches", minibatches)):
-        if n > 1 and loss_cfg.score_centering:
-            raise ValueError(
-                f"loss.score_centering=True with {name}={n}: score centering is defined for one "
-                f"optimizer step per batch; set {name}=1 or score_centering=False"
-            )
-        if n > 1 and loss_cfg.objective.type == "pg":
-            raise ValueError(
-                f"loss.objective.type='pg' with {name}={n}: plain policy gradient has no policy "
-                f"ratio, so later steps would be uncorrected off-policy steps; set {name}=1 or "
-                "use ppo_clip, gspo or cispo"
-            )

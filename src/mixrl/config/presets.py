@@ -12,7 +12,9 @@ SC arm records the head of ``q`` and models the tail (section 7).
 What a loss needs from the run (:func:`needs`, one row per preset in
 ``REQUIREMENTS``) is the single source of the guard rails: :func:`check_run`
 rejects every run setting that would make the loss silently wrong or a no-op
-(docs/corrections.md section 12)::
+(docs/corrections.md section 12), the trainer takes its candidate kind and its
+updates rule (:func:`check_updates`) from it, and the run screens trajectories
+for that candidate kind::
 
     needs         candidates   sampler top-p   ratio objective   updates per batch
     grpo          none         = 1             no (pg)           1
@@ -42,7 +44,6 @@ from mixrl.config.loss import (
     PPOClipObjective,
     SeqMIS,
     Veto,
-    check_compatible,
 )
 
 # candidates of q recorded per token when sampling the full vocabulary (record "head:K")
@@ -92,10 +93,8 @@ class Preset(BaseModel):
 
     @property
     def cand_kind(self) -> str:
-        """What the sampler must record per token: 'support', 'head' or 'none'."""
-        if self.loss.support_replay:
-            return "support"
-        return "head" if self.loss.score_centering else "none"
+        """What the sampler must record per token: 'support', 'head' or 'none' (:func:`needs`)."""
+        return needs(self.loss).cand_kind
 
 
 def _p(name: str, description: str, top_p: float = 1.0, run: dict[str, str] | None = None,
@@ -195,14 +194,27 @@ def check_run(loss: LossConfig, *, preset: str, top_p: float, record: str,
         want = "'support'" if n.cand_kind == "support" else "'head:K' (or 'auto')"
         raise ValueError(f"rollout.record={record!r} with {arm}: the loss needs the {n.cand_kind} of q "
                          f"recorded per token (every trajectory would be dropped); set rollout.record={want}")
-    updates = epochs * minibatches
-    if updates > 1 and n.single_update:
-        field = "optim.epochs" if epochs > 1 else "optim.minibatches"
-        value = epochs if epochs > 1 else minibatches
-        if loss.score_centering:
-            why, fix = "score centering needs p_θ == p_old where the gradient is taken", f"set {field}=1"
-        else:
-            why = "the pg objective has no policy ratio, so later updates take uncorrected off-policy steps"
-            fix = f"set {field}=1 or loss.overrides.objective={{type=\"ppo_clip\"}}"
-        raise ValueError(f"{field}={value} with {arm} (loss.objective.type={loss.objective.type!r}): {why}; {fix}")
-    check_compatible(loss, epochs, minibatches)
+    check_updates(loss, epochs, minibatches, arm=arm)
+
+
+def check_updates(loss: LossConfig, epochs: int, minibatches: int = 1, *, arm: str = "") -> None:
+    """Raise ``ValueError`` if ``loss`` is undefined for ``epochs`` × ``minibatches`` optimizer
+    steps per batch (``needs(loss).single_update``); ``arm`` names the preset in the message.
+
+    Score centering and the ``pg`` objective assume ``p_θ == p_old`` where the gradient is
+    taken (one step per batch, section 7); with several steps per batch they would silently
+    drop the policy ratio, so they are errors, not guesses."""
+    for name, n in (("optim.epochs", epochs), ("optim.minibatches", minibatches)):
+        if n < 1:
+            raise ValueError(f"{name} must be >= 1, got {n}")
+    if epochs * minibatches == 1 or not needs(loss).single_update:
+        return
+    field, value = ("optim.epochs", epochs) if epochs > 1 else ("optim.minibatches", minibatches)
+    if loss.score_centering:
+        why = "score centering (loss.score_centering=True) needs p_θ == p_old where the gradient is taken"
+        fix = f"set {field}=1"
+    else:
+        why = "the pg objective has no policy ratio, so later updates take uncorrected off-policy steps"
+        fix = f"set {field}=1 or loss.overrides.objective={{type=\"ppo_clip\"}}"
+    where = f" with {arm}" if arm else ""
+    raise ValueError(f"{field}={value}{where} (loss.objective.type={loss.objective.type!r}): {why}; {fix}")

@@ -43,7 +43,7 @@ from typing import Any
 from mixrl.fleet.handles import SamplerHandle, Superseded
 from mixrl.fleet.router import CATCHING_UP, DRAINING, FAILED, READY, NoReplicaAvailable, Router
 from mixrl.fleet.weights import WeightStore
-from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
+from mixrl.sampling.base import LOGPROB_TOL, GenerationRequest, GenerationResult, ReplicaFailure
 
 # per result (GenerationResult.timings), summed per group into sampler/<key>/<group>
 KV_METRICS = ("prefill_tokens", "reused_tokens", "kv_evictions", "reused_stale_tokens")
@@ -80,8 +80,8 @@ def check_result(res: GenerationResult, req: GenerationRequest) -> str:
         return ""  # an error status is judged by the caller, not a malformed record
     if n > req.params.max_new_tokens:
         return f"{n} tokens for max_new_tokens={req.params.max_new_tokens}"
-    if not all(math.isfinite(x) and x <= 1e-4 for x in res.logprobs):
-        return "non-finite or positive sampled-token log-probs"
+    if not all(math.isfinite(x) and x <= LOGPROB_TOL for x in res.logprobs):  # the trajectory's tolerance
+        return f"non-finite or positive (> {LOGPROB_TOL:g}) sampled-token log-probs"
     if any(not math.isfinite(x) for x in res.cand_logprobs):
         return "non-finite candidate log-probs"
     return ""

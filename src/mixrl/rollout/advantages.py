@@ -2,7 +2,7 @@
 
     trajs    = groups flattened (prompt order, then sample order)
     excluded = no reward (infra_failed, reward_failed, ...)         left out of group stats, advantage 0
-             | malformed (the trainer's own checks, rollout.screen)  left out, advantage 0, the trainer drops it
+             | malformed (Trajectory.screen: the trainer's verdict)  left out, advantage 0, the trainer drops it
              | overlong "filter": status truncated                    left out and removed from the batch
     rewards += overlong "penalty" (DAPO soft punishment)              before the group statistics
     A        = grpo_advantages(rewards, groups, excluded)             docs/corrections.md section 8
@@ -14,9 +14,13 @@ budget, ``c`` = ``buffer`` and ``n`` the episode's generated tokens::
           = factor · (L − c − n) / c   L − c < n <= L
           = −factor                    n > L
 
-A filtered (truncated) episode leaves the batch entirely, so it counts in
-neither the loss nor the denominator D. A malformed one stays in the list: the
-trainer drops and counts it (and fails the step when more than half are).
+GRPO statistics are taken over the trajectories the trainer will actually train
+on: the verdict of :meth:`Trajectory.screen` (computed once, where the episode
+was completed) leaves the malformed ones out of their group's mean and std
+(docs/corrections.md section 8). A filtered (truncated) episode leaves the batch
+entirely, so it counts in neither the loss nor the denominator D. A malformed one
+stays in the list: the trainer drops and counts it by the same verdict (and fails
+the step when more than half are).
 
 Metrics: ``rollout/malformed``, ``rollout/overlong_filtered``,
 ``rollout/overlong_penalty`` (mean over rewarded episodes), plus those of
@@ -27,7 +31,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixrl.rollout.screen import malformed
 from mixrl.rollout.types import UNREWARDED, Trajectory
 
 
@@ -52,7 +55,8 @@ def batch_advantages(
 
     trajs = [t for g in groups for t in g]
     index = [i for i, g in enumerate(groups) for _ in g]
-    bad = malformed(trajs, vocab_size=vocab_size, cand_kind=cand_kind)
+    # no reward: excluded as infra, not malformed
+    bad = [None if t.status in UNREWARDED else t.screen(vocab_size, cand_kind) for t in trajs]
     kind = getattr(overlong, "type", None)
     if kind is not None and budget is None:
         raise ValueError("rollout.overlong needs the generation budget")

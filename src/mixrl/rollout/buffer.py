@@ -22,8 +22,10 @@ Worked example, G = 2, max_staleness = 1, policy "requeue":
                                             requeued; requeued() -> [p1's task]
 
 Staleness of a token = trainer version at the update that consumes it − the
-version that generated it, over generated tokens only (loss_mask == 1). It is
-measured in ``take`` (``rollout/staleness_mean``, ``rollout/staleness_max``).
+version that generated it, over generated tokens only (``Trajectory.staleness``,
+the one definition; docs/corrections.md section 10). ``take`` bounds it and is the
+one producer of ``rollout/staleness_mean`` and ``rollout/staleness_max``, over the
+generated tokens of the groups it hands out.
 It is unbounded by default. Sync mode needs nothing special here: the
 orchestrator issues exactly B prompts per update, so every group is taken at
 staleness 0.
@@ -147,10 +149,8 @@ class RolloutBuffer:
             group = [e.trajs[i] for i in range(self.group_size)]
             groups.append(group)
             for t in group:
-                for m, v in zip(t.loss_mask, t.versions, strict=True):
-                    if m:
-                        s = trainer_version - v
-                        total, count, worst = total + s, count + 1, max(worst, s)
+                stale = t.staleness(trainer_version)
+                total, count, worst = total + sum(stale), count + len(stale), max([worst, *stale])
         self.counts["taken_groups"] += n
         metrics = {
             "rollout/staleness_mean": total / count if count else 0.0,
@@ -196,12 +196,7 @@ class RolloutBuffer:
 
 
 def _max_staleness(e: _Entry, trainer_version: int) -> int:
-    worst = 0
-    for t in e.trajs.values():
-        for m, v in zip(t.loss_mask, t.versions, strict=True):
-            if m:
-                worst = max(worst, trainer_version - v)
-    return worst
+    return max((s for t in e.trajs.values() for s in t.staleness(trainer_version)), default=0)
 
 
 def _has_signal(e: _Entry) -> bool:

@@ -59,9 +59,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mixrl.envs.base import Env, StepResult
-from mixrl.rollout.screen import record_sampling
 from mixrl.rollout.types import Trajectory
-from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams, extend_routing
+from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 
 Generate = Callable[[GenerationRequest], Awaitable[GenerationResult]]
 SAMPLER_FAILURES = ("numerical_error", "error", "context_exceeded")
@@ -69,32 +68,6 @@ SAMPLER_FAILURES = ("numerical_error", "error", "context_exceeded")
 
 class _InfraError(Exception):
     pass
-
-
-def _append_env(traj: Trajectory, ids: list[int]) -> None:
-    traj.tokens += ids
-    traj.loss_mask += [0] * len(ids)
-    traj.sampler_logprobs += [0.0] * len(ids)
-    traj.versions += [-1] * len(ids)
-    traj.groups += [""] * len(ids)
-
-
-def _append_generated(traj: Trajectory, res: GenerationResult) -> None:
-    n = len(res.token_ids)
-    traj.tokens += res.token_ids
-    traj.loss_mask += [1] * n
-    traj.sampler_logprobs += map(float, res.logprobs)  # extend; map: ~2x the comprehension
-    traj.versions += [res.version] * n
-    traj.groups += [res.group] * n
-    base = traj.cand_offsets[-1]
-    traj.cand_offsets += [base + o for o in res.cand_offsets[1:]]
-    traj.cand_ids += res.cand_ids
-    traj.cand_logprobs += map(float, res.cand_logprobs)
-    if traj.cand_kind == "none" and res.cand_kind != "none":
-        traj.cand_kind = res.cand_kind
-    traj.num_nonfinite += res.num_nonfinite
-    # MoE: the experts each generated token was routed to (routing replay in the trainer)
-    traj.routed_experts = extend_routing(traj.routed_experts, traj.num_generated - n, res)
 
 
 def piece_id(turn_id: str, done: int, cut: bool) -> str:
@@ -160,7 +133,7 @@ async def _replay(
             # Completed turn whose env answer was not recorded yet: take it now.
             if step.done:
                 return traj, 0, step
-            _append_env(traj, step.tokens)
+            traj.append_env(step.tokens)
             return traj, 0, None
         if step.tokens != traj.tokens[nxt[0] : nxt[1]]:
             raise _InfraError(f"resume: env tokens differ from the record after turn {k}")
@@ -195,7 +168,7 @@ async def run_episode(
             return resume
         t0 = time.perf_counter()
         if resume is None:
-            _append_env(traj, await env.reset())
+            traj.append_env(await env.reset())
         else:
             traj, partial, final = await _replay(env, resume, stop)
             traj.prompt_id, traj.sample_idx = prompt_id, sample_idx
@@ -233,8 +206,7 @@ async def run_episode(
                 n = len(res.token_ids)
                 if not 1 <= n <= piece:
                     return _finish(traj, "infra_failed", None, f"sampler returned {n} tokens (limit {piece})")
-                _append_generated(traj, res)
-                record_sampling(traj, req.params)  # the trainer uses these, not the run-wide values
+                traj.append_generated(res, req.params)  # the trainer uses these params, not the run-wide ones
                 finish = res.finish_reason
                 if piece_cut(req, res):  # a piece of a longer turn: continue it (maybe under new weights)
                     partial += n
@@ -256,11 +228,11 @@ async def run_episode(
                 traj.info.setdefault("env", []).append(step.info)
             if step.done:
                 if step.tokens and len(traj.tokens) + len(step.tokens) <= max_total_tokens:
-                    _append_env(traj, step.tokens)
+                    traj.append_env(step.tokens)
                 return _finish(traj, step.status or "ok", step.reward, step.info.get("error", ""))
             if len(traj.tokens) + len(step.tokens) >= max_total_tokens:
                 return _finish(traj, "truncated", 0.0)  # no room left for another reply
-            _append_env(traj, step.tokens)
+            traj.append_env(step.tokens)
     except _InfraError as e:
         return _finish(traj, "infra_failed", None, str(e))
     except Exception as e:  # env.reset or replay failed: ours

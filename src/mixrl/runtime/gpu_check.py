@@ -103,13 +103,13 @@ def _trainer(model: str, loss_cfg: Any, precision: str, device: str) -> Any:
 
 def check_trainer_step(model: str, device: str, precision: str, run_dir: Path) -> dict[str, Any]:
     """One step on ``device`` in ``precision`` against the same step in float64 on the CPU."""
+    from mixrl.config.presets import needs
     from mixrl.runtime.run import resolve_loss
-    from mixrl.train.trainer import needed_cand_kind
 
     loss_cfg = resolve_loss(base_config(model, run_dir))[0]
     dev, ref = _trainer(model, loss_cfg, precision, device), _trainer(model, loss_cfg, "fp64", "cpu")
     w0 = {k: v.double() for k, v in ref.state_dict_for_samplers().items()}
-    trajs, adv = synthetic_batch(int(ref.model.lm_head.weight.shape[0]), needed_cand_kind(loss_cfg), 8, seed=0)
+    trajs, adv = synthetic_batch(int(ref.model.lm_head.weight.shape[0]), needs(loss_cfg).cand_kind, 8, seed=0)
     if device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
     m_dev, m_ref = dev.step(trajs, adv), ref.step(trajs, adv)
@@ -146,9 +146,9 @@ def check_ranks(model: str, device: str, run_dir: Path) -> dict[str, Any]:
     """The embedded trainer process (one FSDP2 rank): parameters and AdamW state on the device."""
     import asyncio
 
+    from mixrl.config.presets import needs
     from mixrl.runtime.ranks import LocalRanks
     from mixrl.runtime.run import resolve_loss
-    from mixrl.train.trainer import needed_cand_kind
 
     gpus = 1 if device.startswith("cuda") else 0
     world = 2 if gpus and torch.cuda.device_count() >= 2 else 1  # FSDP2 over two GPUs where there are two
@@ -161,7 +161,7 @@ def check_ranks(model: str, device: str, run_dir: Path) -> dict[str, Any]:
             from transformers import AutoConfig
 
             vocab = int(AutoConfig.from_pretrained(str(_resolved(model))).vocab_size)
-            m = await ranks.step(*synthetic_batch(vocab, needed_cand_kind(loss_cfg), 8, seed=1))
+            m = await ranks.step(*synthetic_batch(vocab, needs(loss_cfg).cand_kind, 8, seed=1))
             return {"where": ranks.call("where"), "loss": m["loss"]}
         finally:
             await ranks.close()
@@ -174,9 +174,9 @@ def check_ray(model: str, device: str, run_dir: Path) -> dict[str, Any]:
     """The Ray trainer actor (``world_size = 1``): parameters and AdamW state on its device."""
     import asyncio
 
+    from mixrl.config.presets import needs
     from mixrl.runtime.backends.ray_backend import RayBackend
     from mixrl.runtime.run import resolve_loss
-    from mixrl.train.trainer import needed_cand_kind
 
     gpus = 1 if device.startswith("cuda") else 0
     cfg = base_config(model, run_dir / "ray", trainer={"num_gpus": gpus, "num_cpus": 1},
@@ -191,7 +191,7 @@ def check_ray(model: str, device: str, run_dir: Path) -> dict[str, Any]:
             from transformers import AutoConfig
 
             vocab = int(AutoConfig.from_pretrained(str(_resolved(model))).vocab_size)
-            m = await trainer.step(*synthetic_batch(vocab, needed_cand_kind(loss_cfg), 8, seed=2))
+            m = await trainer.step(*synthetic_batch(vocab, needs(loss_cfg).cand_kind, 8, seed=2))
             where = await trainer.actor.where.remote()
             await trainer.close()
             return {"where": where, "loss": m["loss"]}

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from mixrl.config import Derived, RunConfig
@@ -45,12 +47,37 @@ from mixrl.fleet.weights import WeightStore
 from mixrl.observe.monitor import CollapseMonitor
 from mixrl.rollout.advantages import batch_advantages
 from mixrl.rollout.buffer import RolloutBuffer
-from mixrl.runtime import batch as batchlib
+from mixrl.runtime import episodes
 from mixrl.runtime.cpu import LoopCPU
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.runtime.ranks import RankFailure
 from mixrl.runtime.sessions import Sessions, task_from_dict
 from mixrl.sampling.base import SamplingParams
+
+
+def merge_metrics(parts: list[tuple[str, Mapping[str, float]]]) -> dict[str, float]:
+    """One update's metrics from their producers; every key has exactly one producer.
+
+    A key produced twice is a bug (one value would silently hide the other): with
+    ``MIXRL_STRICT_METRICS=1`` (the tests) it raises; otherwise the first producer's
+    value is kept and the collision printed once."""
+    out: dict[str, float] = {}
+    owner: dict[str, str] = {}
+    for producer, metrics in parts:
+        for k, v in metrics.items():
+            if k in owner:
+                msg = f"metric {k!r} is produced by both {owner[k]} and {producer}"
+                if os.environ.get("MIXRL_STRICT_METRICS") == "1":
+                    raise RuntimeError(msg)
+                if k not in _REPORTED:
+                    _REPORTED.add(k)
+                    print(f"warning: {msg}; keeping {owner[k]}'s", file=sys.stderr)
+                continue
+            out[k], owner[k] = v, producer
+    return out
+
+
+_REPORTED: set[str] = set()
 
 
 class _Stopped(Exception):
@@ -128,14 +155,15 @@ class Orchestrator:
             max_new_tokens=cfg.rollout.max_new_tokens, record=self.derived.record,
             stop_ids=(chat.end_of_turn_id,),
         )
+        self._screen = _screening(self.model_path, self.loss_cfg, cfg)
         self.sessions = Sessions(
             self.fleet, self.buffer, lambda task: make_env(task, chat, **env_opts), params,
             max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.runtime.seed,
             on_complete=self._on_complete, chunk_tokens=cfg.rollout.interrupt_tokens,
+            check=(self._screen["vocab_size"], self._screen["cand_kind"]),
         )
         self.cost = CostModel.from_profiles(self.profiles)
         self.monitor = CollapseMonitor()
-        self._screen = _screening(self.model_path, self.loss_cfg, cfg)
         if self.resume is not None:
             from mixrl.runtime.checkpointing import restore
 
@@ -274,22 +302,17 @@ class Orchestrator:
         astats: dict[str, float], ts: tuple[float, float, float, float], elapsed: float,
     ) -> dict[str, float]:
         t0, t1, t2, t3 = ts
-        m: dict[str, float] = {}
-        m.update(tmetrics)
-        m.update(bmetrics)
-        m.update(astats)
-        m.update(batchlib.rollout_metrics(trajs, [g.name for g in self.cfg.fleet.groups]))
-        m.update(self.fleet.metrics())
-        if self.cost is not None:
-            m.update(self.cost.update(batchlib.tokens_by_group(trajs)))
-        m["time/wait_s"] = t1 - t0
-        m["time/train_s"] = t2 - t1
-        m["time/publish_s"] = t3 - t2
-        m["time/step_s"] = t3 - t0
-        m["perf/samples_per_s"] = self.samples / max(elapsed, 1e-9)
-        m["perf/trainer_idle_frac"] = self.timers["wait_s"] / max(elapsed, 1e-9)
-        m["train/version"] = float(self.step)
-        return m
+        own = {
+            "time/wait_s": t1 - t0, "time/train_s": t2 - t1, "time/publish_s": t3 - t2, "time/step_s": t3 - t0,
+            "perf/samples_per_s": self.samples / max(elapsed, 1e-9),
+            "perf/trainer_idle_frac": self.timers["wait_s"] / max(elapsed, 1e-9),
+        }
+        cost = self.cost.update(episodes.tokens_by_group(trajs)) if self.cost is not None else {}
+        return merge_metrics([
+            ("trainer", tmetrics), ("buffer", bmetrics), ("advantages", astats),
+            ("episodes", episodes.rollout_metrics(trajs, [g.name for g in self.cfg.fleet.groups])),
+            ("fleet", self.fleet.metrics()), ("cost", cost), ("orchestrator", own),
+        ])
 
     def _record(self, m: dict[str, float], elapsed: float) -> None:
         self.history.append(m)

@@ -138,7 +138,7 @@ def episode_record(step: int, t: Any, tokenizer: Any) -> dict[str, Any]:
 
 def _replies(t: Any, dec: Any) -> list[dict[str, Any]]:
     """Per assistant reply (one cell per turn in the report's timeline): length, text, group."""
-    from mixrl.runtime.batch import reply_spans
+    from mixrl.runtime.episodes import reply_spans
 
     return [{"tokens": b - a, "text": dec(t.tokens[a:b])[:120], "group": t.groups[a],
              "version": t.versions[a]} for a, b in reply_spans(t)]

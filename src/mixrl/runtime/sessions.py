@@ -30,7 +30,7 @@ from typing import Any
 from mixrl.envs.base import Task
 from mixrl.fleet.fleet import Fleet
 from mixrl.rollout.buffer import RolloutBuffer
-from mixrl.rollout.session import piece_cut
+from mixrl.rollout.session import SAMPLER_FAILURES, piece_cut
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 
@@ -48,47 +48,32 @@ def task_from_dict(d: dict[str, Any]) -> Task:
 
 
 @dataclasses.dataclass
-class _Shadow:
+class Shadow:
     prompt_id: str
     sample_idx: int
+    task: str  # the task family
     base: Trajectory | None = None  # the partial this session was resumed from
-    # (request prefix, result, whether the result is a cut piece of a turn that goes on)
-    turns: list[tuple[list[int], GenerationResult, bool]] = dataclasses.field(default_factory=list)
+    # (request prefix, its sampling params, result, whether the result is a cut piece of a turn that goes on)
+    turns: list[tuple[list[int], SamplingParams, GenerationResult, bool]] = dataclasses.field(default_factory=list)
 
     def partial(self) -> Trajectory | None:
-        """The completed turns as a partial trajectory (None before the first turn)."""
+        """The completed turns as a partial trajectory (None before the first turn), grown by
+        the trajectory's own append methods: what the session had built up to there."""
         if not self.turns:
             return self.base
-        last_prefix, last_res, _ = self.turns[-1]
-        tokens = list(last_prefix) + list(last_res.token_ids)
-        n = len(tokens)
-        t = Trajectory(prompt_id=self.prompt_id, sample_idx=self.sample_idx, tokens=tokens)
-        t.loss_mask, t.sampler_logprobs = [0] * n, [0.0] * n
-        t.versions, t.groups = [-1] * n, [""] * n
-        reasons: list[str] = []
         if self.base is not None:  # every later prefix extends the resumed tokens
-            b = self.base
-            k = len(b.tokens)
-            t.loss_mask[:k], t.sampler_logprobs[:k] = list(b.loss_mask), list(b.sampler_logprobs)
-            t.versions[:k], t.groups[:k] = list(b.versions), list(b.groups)
-            t.cand_offsets, t.cand_ids = list(b.cand_offsets), list(b.cand_ids)
-            t.cand_logprobs, t.cand_kind = list(b.cand_logprobs), b.cand_kind
-            reasons = list(b.info.get("finish_reasons", []))
-        for prefix, res, _ in self.turns:
-            s = len(prefix)
-            for j in range(len(res.token_ids)):
-                t.loss_mask[s + j] = 1
-                t.sampler_logprobs[s + j] = float(res.logprobs[j])
-                t.versions[s + j] = res.version
-                t.groups[s + j] = res.group
-            base = t.cand_offsets[-1]
-            t.cand_offsets += [base + o for o in res.cand_offsets[1:]]
-            t.cand_ids += res.cand_ids
-            t.cand_logprobs += [float(x) for x in res.cand_logprobs]
-            if res.cand_kind != "none":
-                t.cand_kind = res.cand_kind
-        # a cut piece has no finish reason of its own: its turn ends with a later piece
-        reasons += [r.finish_reason for _, r, cut in self.turns if not cut]
+            t = Trajectory.from_dict(self.base.to_dict())
+        else:
+            t = Trajectory(prompt_id=self.prompt_id, sample_idx=self.sample_idx, task=self.task)
+        reasons = list(t.info.get("finish_reasons", []))
+        for prefix, params, res, cut in self.turns:
+            if prefix[: len(t.tokens)] != t.tokens:
+                raise RuntimeError(f"session {self.prompt_id}#{self.sample_idx}: a request does not extend "
+                                   "the tokens of the turns before it")
+            t.append_env(prefix[len(t.tokens):])  # the prompt, or the env's answer to the last turn
+            t.append_generated(res, params)
+            if not cut:  # a cut piece has no finish reason of its own: its turn ends with a later piece
+                reasons.append(res.finish_reason)
         t.turns = len(reasons)
         t.info["finish_reasons"] = reasons
         return t
@@ -106,6 +91,7 @@ class Sessions:
         seed: int,
         on_complete: Callable[[str], None] | None = None,
         chunk_tokens: int = 0,
+        check: tuple[int, str] | None = None,
     ):
         from mixrl.rollout.session import run_episode
 
@@ -114,8 +100,9 @@ class Sessions:
         self.max_total_tokens, self.seed = max_total_tokens, seed
         self.on_complete = on_complete
         self.chunk_tokens = chunk_tokens  # > 0: interruptible turns (rollout.session.run_episode)
+        self.check = check  # (vocab size, candidate kind): each trajectory is screened when complete
         self.tasks: dict[str, asyncio.Task[None]] = {}  # session id -> asyncio task
-        self.shadows: dict[str, _Shadow] = {}
+        self.shadows: dict[str, Shadow] = {}
         self.finished = 0  # sessions that delivered a trajectory
         self.resume_restarts = 0  # resumed episodes restarted because the env's replay differed
         self.errors: list[BaseException] = []
@@ -134,7 +121,7 @@ class Sessions:
             sid = f"{task.prompt_id}#{i}"
             if sid in self.tasks:
                 raise RuntimeError(f"session {sid} is already running")
-            self.shadows[sid] = _Shadow(task.prompt_id, i, base=resume.get(i))
+            self.shadows[sid] = Shadow(task.prompt_id, i, task.family, base=resume.get(i))
             self.tasks[sid] = asyncio.ensure_future(self._session(task, i, sid, resume.get(i), min_version))
 
     async def _session(self, task: Task, idx: int, sid: str, resume: Trajectory | None, min_version: int) -> None:
@@ -144,7 +131,8 @@ class Sessions:
             # The seed depends only on the request id (prompt, sample, turn): replica-independent.
             req = dataclasses.replace(req, params=dataclasses.replace(req.params, seed=request_seed(self.seed, req.request_id)))
             res = await self.fleet.generate(sid, req, min_version)
-            shadow.turns.append((list(req.prompt_ids), res, piece_cut(req, res)))
+            if res.finish_reason not in SAMPLER_FAILURES:  # a failed result ends the episode unrecorded
+                shadow.turns.append((list(req.prompt_ids), req.params, res, piece_cut(req, res)))
             return res
 
         try:
@@ -159,6 +147,8 @@ class Sessions:
                 traj = await self._episode(task, idx, generate, None)
                 traj.info["resume_restarted"] = 1
             traj.info.pop("finish_reasons", None)
+            if self.check is not None:  # the one check of the record (Trajectory.screen)
+                traj.screen(*self.check)
             completed = self.buffer.add(traj)
             self.finished += 1
             if completed and self.on_complete is not None:

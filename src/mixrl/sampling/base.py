@@ -63,6 +63,11 @@ class GenerationRequest:
     session: str = ""  # the conversation it continues: an engine may keep its KV between requests
 
 
+# Largest positive log-probability accepted as float rounding (a log-probability is <= 0). One
+# tolerance for every layer: the fleet's check of a result and the trajectory's own check.
+LOGPROB_TOL = 1e-4
+
+
 @dataclass
 class GenerationResult:
     """One request's output. Per generated token j:

@@ -41,8 +41,6 @@ from typing import Any
 
 from mixrl.envs.chat import ChatFormat
 from mixrl.envs.untrusted import encode_untrusted
-from mixrl.rollout.screen import record_sampling
-from mixrl.rollout.session import _append_env, _append_generated
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationResult
 
@@ -293,8 +291,8 @@ class SessionStore:
                 if fork.reply == norm[k]:
                     traj = _clone(fork.traj)
                     if not traj.tokens or traj.tokens[-1] not in self.chat.stop_ids:
-                        _append_env(traj, [self.chat.end_of_turn_id])  # the reply was cut (length, stop string)
-                    _append_env(traj, continuation_ids(self.chat, messages[k + 1:], tools, self.frames))
+                        traj.append_env([self.chat.end_of_turn_id])  # the reply was cut (length, stop string)
+                    traj.append_env(continuation_ids(self.chat, messages[k + 1:], tools, self.frames))
                     st.prefix, st.tools_key = norm, key
                     return traj
         if st.forks:  # the agent's history is not ours: a new segment
@@ -302,7 +300,7 @@ class SessionStore:
             st.finished.append(st.forks[0].traj)
         traj = Trajectory(prompt_id=session, sample_idx=0, task="openai")
         traj.info["segment"] = len(st.finished)
-        _append_env(traj, render_ids(self.chat, messages, tools, self.frames))
+        traj.append_env(render_ids(self.chat, messages, tools, self.frames))
         st.prefix, st.tools_key, st.forks = norm, key, []
         return traj
 
@@ -321,8 +319,7 @@ class SessionStore:
                 cand_kind=res.cand_kind, version=res.version, group=res.group,
                 finish_reason=res.finish_reason,
             )  # fmt: skip
-            _append_generated(traj, kept)
-            record_sampling(traj, params)
+            traj.append_generated(kept, params)
             traj.turns += 1
             forks.append(Fork(traj, normalize(message)))
         st.forks = forks

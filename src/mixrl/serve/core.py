@@ -37,7 +37,6 @@ from typing import Any
 
 from mixrl.config.presets import HEAD_K  # what a run records at top_p = 1 (config.schema.derive)
 from mixrl.envs.chat import ChatFormat
-from mixrl.rollout.session import _append_env
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 from mixrl.serve import toolcalls
@@ -261,7 +260,7 @@ class ServeCore:
             raise ApiError(400, "prompt must be a non-empty string or a list of token ids", param="prompt")
         params, n, stop = self._params(body, len(ids))
         traj = Trajectory(prompt_id=session or "anon", sample_idx=0, task="openai")
-        _append_env(traj, ids)
+        traj.append_env(ids)
         results = await self._choices(session or f"anon-{uuid.uuid4().hex}", traj, params, n)
         choices, gen = [], 0
         for i, res in enumerate(results):

@@ -1,8 +1,10 @@
 """Trajectories -> padded token tensors + the flat per-position tensors of ``LossInputs``.
 
 Two stages, so that a batch can be cut into mini- and micro-batches without
-re-validating: :func:`prepare` checks every :class:`Trajectory` once and turns
-it into a :class:`Record` of tensors; :func:`collate` pads any subset of records.
+converting again: :func:`prepare` turns every usable :class:`Trajectory` into a
+:class:`Record` of tensors; :func:`collate` pads any subset of records. Whether a
+trajectory is usable is its own verdict (:meth:`Trajectory.screen`, computed once
+where it was completed, else here); ``prepare`` only reads it.
 
 Positions: token ``t`` is predicted by the hidden state at ``t - 1``; the N
 generated positions of a batch are flattened in trajectory order, then
@@ -10,11 +12,12 @@ position order (the order of ``cand_offsets`` in each record).
 
 What is dropped and what is masked (counted either way, never a crash):
 
-- a structurally malformed trajectory (lengths disagree, token or candidate id
-  outside the vocabulary, a generated token at position 0, ragged candidates
-  that do not add up, duplicate candidates at a position, missing candidates
-  the loss needs) is dropped whole: nothing in it can be aligned safely. The
-  reason, naming the field, is kept in ``stats.errors``; ``strict=True`` raises it.
+- a malformed trajectory (lengths disagree, token or candidate id outside the
+  vocabulary, a generated token at position 0, ragged candidates that do not
+  add up, duplicate candidates at a position, missing candidates the loss
+  needs, sampling the loss cannot score) is dropped whole: nothing in it can be
+  aligned safely. The reason, naming the field, is kept in ``stats.errors``;
+  ``strict=True`` raises it.
 - an ``infra_failed`` episode is dropped (docs/corrections.md §8: not reward 0).
 - a non-finite sampler log-prob (or candidate log-prob, or advantage) is kept
   as is: ``compute_loss`` masks that position and counts it
@@ -23,7 +26,6 @@ What is dropped and what is masked (counted either way, never a crash):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
@@ -110,31 +112,6 @@ class TrainBatch:
         return replace(self, **{k: v.to(device) for k, v in moved.items() if isinstance(v, Tensor)})
 
 
-def _check(tr: Trajectory, vocab_size: int, cand_kind: str) -> None:
-    """Raise ``ValueError`` naming the field if ``tr`` cannot be aligned."""
-    tr.validate()
-    if not set(tr.loss_mask) <= {0, 1}:
-        raise ValueError(f"Trajectory.loss_mask holds values other than 0/1: {sorted(set(tr.loss_mask))}")
-    if tr.tokens and (min(tr.tokens) < 0 or max(tr.tokens) >= vocab_size):
-        raise ValueError(f"Trajectory.tokens has ids outside [0, {vocab_size}): "
-                         f"range [{min(tr.tokens)}, {max(tr.tokens)}]")
-    if tr.loss_mask and tr.loss_mask[0] == 1:
-        raise ValueError("Trajectory.loss_mask[0] is 1: the first token has no context to predict it")
-    if cand_kind == "none":
-        return
-    if tr.cand_kind != cand_kind:
-        raise ValueError(f"Trajectory.cand_kind is {tr.cand_kind!r}; the loss needs {cand_kind!r}")
-    offs, k = tr.cand_offsets, len(tr.cand_ids)
-    if offs[0] != 0 or offs[-1] != k or any(b < a for a, b in zip(offs, offs[1:], strict=False)):
-        raise ValueError(f"Trajectory.cand_offsets must rise from 0 to len(cand_ids)={k}, "
-                         f"got first={offs[0]}, last={offs[-1]}")
-    if k and (min(tr.cand_ids) < 0 or max(tr.cand_ids) >= vocab_size):
-        raise ValueError(f"Trajectory.cand_ids has ids outside [0, {vocab_size})")
-    for t, (a, b) in enumerate(zip(offs, offs[1:], strict=False)):
-        if len(set(tr.cand_ids[a:b])) != b - a:
-            raise ValueError(f"Trajectory.cand_ids repeats a token at generated position {t}")
-
-
 def _advantages(adv: float | Sequence[float] | Tensor, n: int) -> Tensor:
     if isinstance(adv, (int, float)):  # the usual case: one advantage per trajectory
         return torch.full((n,), float(adv), dtype=torch.float32)
@@ -155,7 +132,7 @@ def prepare(
     temperature: float = 1.0,  # default; a trajectory's info["temperature"] overrides it
     strict: bool = False,
 ) -> tuple[list[Record], BatchStats]:
-    """Validate and convert; malformed records are dropped and counted (raised if ``strict``)."""
+    """Convert; malformed records (their ``screen`` verdict) are dropped and counted (raised if ``strict``)."""
     if len(advantages) != len(trajectories):
         raise ValueError(f"advantages has {len(advantages)} entries for {len(trajectories)} trajectories")
     stats = BatchStats()
@@ -169,12 +146,11 @@ def prepare(
             stats.dropped_infra += 1
             continue
         try:
-            _check(tr, vocab_size, cand_kind)
+            error = tr.screen(vocab_size, cand_kind)
+            if error is not None:
+                raise ValueError(error)
             n = tr.num_generated
             a = _advantages(adv, n)
-            temp = float(tr.info.get("temperature", temperature))
-            if not (math.isfinite(temp) and temp > 0):
-                raise ValueError(f"Trajectory.info['temperature'] must be > 0, got {temp}")
         except ValueError as e:
             if strict:
                 raise ValueError(f"trajectory {i} (prompt {tr.prompt_id!r}): {e}") from e
@@ -199,7 +175,7 @@ def prepare(
             clq = torch.tensor(tr.cand_logprobs, dtype=torch.float32)
         records.append(Record(
             index=i, tokens=empty_ids, gen_pos=empty_ids, sampler_logprobs=empty_lq, advantages=a,
-            versions=empty_ids, group_ids=empty_ids, temperature=temp,
+            versions=empty_ids, group_ids=empty_ids, temperature=float(tr.info.get("temperature", temperature)),
             cand_offsets=offs, cand_ids=ids, cand_logprobs=clq))
     for name, dtype in (("tokens", torch.long), ("gen_pos", torch.long), ("sampler_logprobs", torch.float32),
                         ("versions", torch.long), ("group_ids", torch.long)):

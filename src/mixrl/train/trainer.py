@@ -28,8 +28,9 @@ every step, so small updates are not lost to bf16 rounding. Log-probabilities
 and the loss are float32 either way (see ``mixrl.models.chunked``).
 
 Metrics are those of ``compute_loss`` over the whole batch (a detached pass
-when the batch was cut into micro-batches), plus ``optim/*``, ``rollout/staleness_*``
-and ``train/*`` counters. A step whose gradient norm is not finite leaves the
+when the batch was cut into micro-batches), plus ``optim/*`` and ``train/*``
+counters (``train/version`` included); the staleness of the batch is the
+buffer's (``rollout/staleness_*``), the per-token split the loss's (``precision/*``, ``lag/*``). A step whose gradient norm is not finite leaves the
 weights unchanged (``optim/skipped_steps``); ``version`` still advances by one
 per call, so it always equals the number of completed steps.
 """
@@ -45,10 +46,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixrl.config.loss import LossConfig, check_compatible
+from mixrl.config.loss import LossConfig
+from mixrl.config.presets import check_updates, needs
 from mixrl.corrections import LossInputs, aggregation_denominator, compute_loss
 from mixrl.models.chunked import TokenLogprobs, chunked_logprobs
-from mixrl.rollout.screen import sampling_error
 from mixrl.rollout.types import Trajectory
 from mixrl.train.batch import BatchStats, Record, TrainBatch, collate, prepare
 from mixrl.train.packing import (
@@ -62,13 +63,6 @@ from mixrl.train.packing import (
 from mixrl.train.routing_replay import TrainerRouting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}  # fp64: references
-
-
-def needed_cand_kind(cfg: LossConfig) -> str:
-    """Candidates of q the loss needs: support for replay, head for full-vocabulary SC."""
-    if cfg.support_replay:
-        return "support"
-    return "head" if cfg.score_centering else "none"
 
 
 class MalformedBatchError(RuntimeError):
@@ -115,10 +109,7 @@ class Trainer:
                 raise ValueError(f"{name} must be >= 1, got {b}")
         if packing and micro_batch_size is not None:
             raise ValueError("micro_batch_size counts padded rows; with packing bound micro-batches by micro_batch_tokens")
-        check_compatible(loss_cfg, epochs, minibatches)
-        if minibatches > 1 and loss_cfg.score_centering:
-            raise ValueError(f"loss.score_centering=True with minibatches={minibatches}: score centering "
-                             "needs p_θ == p_old where the gradient is taken; set minibatches=1")
+        check_updates(loss_cfg, epochs, minibatches)
         self.model, self.loss_cfg = model, loss_cfg
         self.epochs, self.minibatches, self.temperature = epochs, minibatches, temperature
         self.micro_batch_size, self.chunk_size, self.pad_id, self.seed = micro_batch_size, chunk_size, pad_id, seed
@@ -129,7 +120,7 @@ class Trainer:
         self.attn_impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
         self.max_malformed_frac, self.gen_budget = max_malformed_frac, gen_budget
         self.lr_schedule, self.base_lr = lr_schedule, lr
-        self.cand_kind = needed_cand_kind(loss_cfg)
+        self.cand_kind = needs(loss_cfg).cand_kind  # candidates of q the loss needs
         self.routing = TrainerRouting(model, loss_cfg.routing_replay)  # MoE: replay, routing mismatch
         # a shared prefix needs a 4D mask (no varlen kernel), and MoE routing records address one
         # model-input cell per generated token, which a shared prefix would merge
@@ -268,19 +259,8 @@ class Trainer:
         vocab = int(self.model.lm_head.weight.shape[0])
         records, stats = prepare(trajectories, advantages, vocab_size=vocab, cand_kind=self.cand_kind,
                                  temperature=self.temperature, strict=strict)
-        kept = []  # the sampling recorded per result must be one the loss can score (rollout.screen)
-        for r in records:
-            err = sampling_error(trajectories[r.index], self.cand_kind)
-            if err is None:
-                kept.append(r)
-                continue
-            msg = f"trajectory {r.index} (prompt {trajectories[r.index].prompt_id!r}): {err}"
-            if strict:
-                raise ValueError(msg)
-            stats.dropped_malformed += 1
-            stats.errors.append(msg)
-        self.routing.attach(kept, trajectories)
-        return kept, stats
+        self.routing.attach(records, trajectories)
+        return records, stats
 
     def step(
         self,
@@ -390,12 +370,6 @@ class Trainer:
             "train/nonfinite_sampler": float(stats.nonfinite_sampler),
             "perf/train_step_s": seconds,
         }
-        versions = torch.cat([r.versions for r in records]) if records else torch.zeros(0, dtype=torch.long)
-        versions = versions[versions >= 0]
-        if versions.numel():  # trainer version the update started from − token version
-            stale = (self.version - 1 - versions).float()
-            out["rollout/staleness_mean"] = float(stale.mean())
-            out["rollout/staleness_max"] = float(stale.max())
         return out
 
     # ------------------------------------------------------------------ weights and state

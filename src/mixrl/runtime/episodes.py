@@ -1,8 +1,4 @@
-"""From complete groups to the trainer's inputs, and the rollout metrics of a batch.
-
-Advantages are GRPO's (``mixrl.corrections.grpo_advantages``): infrastructure
-failures are excluded from their group's statistics and get no loss; a group
-whose rewards are all equal gets advantage 0 (counted).
+"""What a batch's episodes say: rollout metrics, reply spans, tokens per sampler group.
 
 Rollout metrics (docs/corrections.md §10), over the batch's episodes that did not
 fail for infrastructure reasons; per sampler group ``g`` over the episodes
@@ -20,7 +16,6 @@ failure may span groups):
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
 
 from mixrl.rollout.types import STATUSES, UNREWARDED, Trajectory
 
@@ -29,23 +24,6 @@ def main_group(t: Trajectory) -> str:
     """The sampler group that generated most of ``t``'s tokens ("" if none)."""
     c = Counter(g for g, m in zip(t.groups, t.loss_mask, strict=True) if m)
     return c.most_common(1)[0][0] if c else ""
-
-
-def advantages(groups: list[list[Trajectory]], loss_cfg: Any) -> tuple[list[Trajectory], list[float], dict[str, float]]:
-    """Flatten ``groups`` (prompt order, then sample order) and compute GRPO advantages."""
-    import torch
-
-    from mixrl.corrections import grpo_advantages
-
-    trajs = [t for g in groups for t in g]
-    rewards = torch.tensor(
-        [float("nan") if t.reward is None else float(t.reward) for t in trajs], dtype=torch.float64
-    )
-    index = torch.tensor([i for i, g in enumerate(groups) for _ in g], dtype=torch.long)
-    adv_cfg = getattr(loss_cfg, "advantage", None)
-    kw = {"use_std": adv_cfg.use_std, "eps": adv_cfg.eps} if adv_cfg is not None else {}
-    out = grpo_advantages(rewards, index, [t.status for t in trajs], **kw)
-    return trajs, [float(a) for a in out.advantages.tolist()], dict(out.stats)
 
 
 def rollout_metrics(trajs: list[Trajectory], group_names: list[str]) -> dict[str, float]:
