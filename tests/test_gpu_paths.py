@@ -45,25 +45,31 @@ def _guarded(target: Any, rank: int, world: int, port: int, q: Any, *args: Any) 
 def _scalar_collectives(rank: int, world: int, port: int) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from mixrl.train.distributed import RankTrainer
+    from mixrl.train.parallel import Ranks
+    from mixrl.train.trainer import Trainer
 
     dev = fake_device.init_group(rank, world, port)
     with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
         dist.all_reduce(torch.zeros(1))  # the harness: a CPU tensor cannot take part
-    rt = object.__new__(RankTrainer)  # only the collective plumbing: no model on this device
-    rt.rank, rt.world, rt.device, rt.gen_budget = rank, world, dev, None
-    out = {"sum": rt._all(rank + 1.5), "max": rt._all(rank + 1.5, dist.ReduceOp.MAX),
-           "pad": rt._micro([]).pad,
-           "D": rt.denominator([], "seq_mean_token_sum_norm", None, None)}
+    p = Ranks(root=None, device=dev)  # only the collective plumbing: no model on this device
+    tr = object.__new__(Trainer)  # the trainer's denominator over the seam, with no records on this rank
+    tr.parallel, tr.gen_budget = p, None
+    p.pad(0)  # every rank ran as many passes as the busiest: nothing to pad (an all-reduce of the count)
+    out = {"sum": p.all_sum(rank + 1.5), "max": p.all_max(rank + 1.5),
+           "shard": p.shard(list(range(5))),
+           "D": tr.denominator([], "seq_mean_token_sum_norm", None, None),
+           "metrics": p.reduce({"loss": 1.0 + rank, "optim/grad_norm": 2.0 * rank})}
     dist.destroy_process_group()
     return out
 
 
 def test_rank_collectives_run_on_the_ranks_device_not_cpu() -> None:
-    """Loss denominator, micro-batch lockstep and ``_all`` under a group with no CPU backend."""
+    """Loss denominator, micro-batch lockstep, all-reduce and metrics under a group with no CPU backend."""
     got = _spawn(_scalar_collectives, 2)
+    assert [r["shard"] for r in got] == [[0, 1], [2, 3, 4]]
     for r in got:
-        assert r == {"sum": 1.5 + 2.5, "max": 2.5, "pad": 0, "D": 0.0}
+        assert {k: r[k] for k in ("sum", "max", "D")} == {"sum": 1.5 + 2.5, "max": 2.5, "D": 0.0}
+        assert r["metrics"] == {"loss": 3.0, "optim/grad_norm": 1.0, "train/world_size": 2.0}
 
 
 def _tiny_policy(path: Any) -> str:
@@ -127,7 +133,7 @@ def test_cpu_ranks_stay_on_cpu_on_a_host_with_an_accelerator(tmp_path: Any, prec
 def test_a_gpu_torch_cannot_use_is_named_in_one_line(tmp_path: Any) -> None:
     from mixrl.config import ConfigError
     from mixrl.runtime.gpu import cuda_problem, require_cuda
-    from mixrl.train.distributed import rank_device
+    from mixrl.runtime.ranks import rank_device
 
     if torch.cuda.is_available():
         pytest.skip("torch can use this machine's GPU")

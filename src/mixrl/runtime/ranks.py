@@ -33,6 +33,19 @@ from mixrl.rollout.types import Trajectory
 from mixrl.runtime.handles import TrainerHandle
 
 
+def rank_device(rank: int, use_gpu: bool) -> str:
+    """``cuda:<rank mod visible devices>`` for a GPU rank (Ray shows an actor only its own
+    GPUs), else ``cpu``. A GPU rank where torch sees no usable GPU fails in one line."""
+    if not use_gpu:
+        return "cpu"
+    import torch
+
+    from mixrl.runtime.gpu import require_cuda
+
+    require_cuda("trainer.num_gpus > 0")
+    return f"cuda:{rank % torch.cuda.device_count()}"
+
+
 class RankFailure(RuntimeError):
     """A trainer rank died or raised; the run cannot continue with the others."""
 
@@ -43,7 +56,7 @@ class RankWorker:
     def __init__(self, rank: int, world: int, addr: str, port: int, cfg: dict[str, Any],
                  model_path: str, loss_cfg: Any) -> None:
         from mixrl.runtime.trainer_state import build_trainer
-        from mixrl.train.distributed import RankTrainer, init_rank, rank_device, setup_threads
+        from mixrl.train.distributed import RankTrainer, init_rank, setup_threads
 
         run = RunConfig.model_validate(cfg)
         setup_threads(run.runtime.torch_threads)

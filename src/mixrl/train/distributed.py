@@ -6,11 +6,15 @@ root; gloo on CPU, NCCL on GPU) and trains on 1/N of each batch::
 
     driver ──(trajectories, advantages)──► every rank
     rank r: prepare(whole batch)           same records, same drop counters on every rank
-            records[r·S/N : (r+1)·S/N]     its contiguous slice
+            records[r·S/N : (r+1)·S/N]     its contiguous slice             (train.parallel.Ranks)
             D = all_reduce(Σ local D)      the caller-provided global denominator (aggregation.py)
             forward/backward per micro-batch; reduce-scatter SUMS the gradients
             clip (global norm over the shards), AdamW on the local shard
     rank 0 ──metrics──► driver             loss summed over ranks, other metrics averaged
+
+The trainer's step is the single-process one; what differs on ranks is the
+``train.parallel.Ranks`` seam it is given (shard, all-reduce, the forward inside
+the FSDP2 root, lockstep padding, the metrics' reduction).
 
 With the global ``D`` and summed gradients, N ranks compute exactly the update
 of one rank on the whole batch (up to float summation order). FSDP2 runs a
@@ -22,7 +26,7 @@ Mixed precision: ``optim.precision = "bf16"`` (or ``"fp16"``) becomes FSDP2's
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=trainer.reduce_dtype)``;
 the sharded parameters and AdamW stay float32 (the master copy).
 
-Devices: a rank lives on one device (``rank_device``: ``cuda:<local index>``
+Devices: a rank lives on one device (``runtime.ranks.rank_device``: ``cuda:<local index>``
 when ``trainer.num_gpus > 0``, else ``cpu``, pinned even on a GPU host). The
 model moves there before FSDP2 shards it and before the optimizer is built;
 the FSDP2 mesh is built on that device type; every tensor a collective
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +54,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from mixrl.train.parallel import Ranks
 from mixrl.train.trainer import Trainer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_SUMMED = ("loss",)  # local loss = local sum / global D: the batch loss is their sum
 
 
 def init_rank(rank: int, world: int, addr: str, port: int, device: str) -> torch.device:
@@ -67,15 +71,8 @@ def init_rank(rank: int, world: int, addr: str, port: int, device: str) -> torch
     return dev
 
 
-def all_reduce_scalar(x: float, op: Any, device: torch.device) -> float:
-    """``x`` reduced over the ranks, through a tensor on the rank's ``device``."""
-    t = torch.tensor([x], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=op)
-    return float(t.item())
-
-
 class _Root(nn.Module):
-    """The FSDP2 root: one forward that runs the trainer's whole log-prob pass.
+    """The FSDP2 root: one forward that runs the trainer's whole log-prob pass ``fn``.
 
     The trainer reads ``lm.model`` and ``lm.lm_head.weight`` itself; inside this
     forward the root's parameters (embeddings, final norm, tied head) are
@@ -85,27 +82,13 @@ class _Root(nn.Module):
     def __init__(self, lm: Any) -> None:
         super().__init__()
         self.lm: Any = lm
-        self.trainer: Any = None  # set after construction; not a submodule
 
-    def forward(self, tb: Any, records: Any) -> Any:
-        if tb is None:  # an empty pass: same collectives as a real one, zero loss and gradient
+    def forward(self, tb: Any, records: Any, fn: Callable[[Any, Any], Any] | None) -> Any:
+        if fn is None:  # an empty pass: same collectives as a real one, zero loss and gradient
             ids = torch.zeros(1, 1, dtype=torch.long, device=self.lm.lm_head.weight.device)
             h = self.lm.model(input_ids=ids).last_hidden_state
             return h.sum() * 0.0 + self.lm.lm_head.weight.sum() * 0.0
-        return Trainer._forward(self.trainer, tb, records)
-
-
-class _Lockstep(list[Any]):
-    """This rank's micro-batches; iterating runs empty passes up to the busiest rank's count."""
-
-    def __init__(self, items: list[Any], pad: int, trainer: RankTrainer) -> None:
-        super().__init__(items)
-        self.pad, self.trainer = pad, trainer
-
-    def __iter__(self) -> Iterator[Any]:
-        yield from list.__iter__(self)
-        for _ in range(self.pad):
-            self.trainer.empty_pass()
+        return fn(tb, records)
 
 
 def shard(lm: Any, param_dtype: torch.dtype | None, reduce_dtype: torch.dtype, device: torch.device) -> _Root:
@@ -139,63 +122,13 @@ class RankTrainer(Trainer):
             raise ValueError(f"optim.precision {precision!r} is not one of {tuple(DTYPES)} on trainer ranks")
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.ckpt_dir = Path(ckpt_dir) if ckpt_dir else None
-        # the collectives' device, set before anything below runs one
-        self.device = torch.device(device)
-        model.to(device=self.device, dtype=torch.float32)  # the float32 shards live on the rank's device
+        dev = torch.device(device)  # the collectives' device
+        model.to(device=dev, dtype=torch.float32)  # the float32 shards live on the rank's device
         param_dtype = DTYPES[precision] if precision != "fp32" else None
-        self.root = shard(model, param_dtype, DTYPES[reduce_dtype], self.device)
-        self.root.trainer = self
+        root = shard(model, param_dtype, DTYPES[reduce_dtype], dev)
         # the shards stay float32 (FSDP2 casts for compute): the Trainer's bf16 master copy is not needed
-        super().__init__(model, loss_cfg, precision="fp32", **kw)
+        super().__init__(model, loss_cfg, precision="fp32", parallel=Ranks(root, dev), **kw)
         self.compute_precision = precision
-        self._batch: list[Any] = []
-
-    # -- collectives around the single-rank step
-
-    def _all(self, x: float, op: Any = dist.ReduceOp.SUM) -> float:
-        return all_reduce_scalar(x, op, self.device)
-
-    def _prepare(self, trajectories: Any, advantages: Any, strict: bool) -> tuple[list[Any], Any]:
-        records, stats = super()._prepare(trajectories, advantages, strict)  # whole batch, same on all ranks
-        self._batch = records
-        n = len(records)
-        if 0 < n < self.world:
-            raise ValueError(f"{n} trainable trajectories cannot be split over trainer.world_size={self.world}")
-        lo, hi = self.rank * n // self.world, (self.rank + 1) * n // self.world
-        return records[lo:hi], stats
-
-    def _micro(self, records: list[Any], budget: int | None = None) -> list[Any]:
-        local = super()._micro(records, budget) if records else []
-        busiest = int(self._all(len(local), dist.ReduceOp.MAX))
-        return _Lockstep(local, busiest - len(local), self)
-
-    def empty_pass(self) -> None:
-        out = self.root(None, None)
-        if torch.is_grad_enabled():
-            out.backward()
-
-    def _forward(self, tb: Any, records: Any = None) -> Any:
-        return self.root(tb, records)
-
-    def denominator(self, records: list[Any], mode: str, G: int | None, max_len: int | None) -> float:
-        if mode == "seq_mean_token_sum_norm" and max_len is None and self.gen_budget is None:
-            local = max((int(r.gen_pos.numel()) for r in records), default=0)
-            max_len = int(self._all(local, dist.ReduceOp.MAX))  # the fallback over the whole batch
-        local_d = super().denominator(records, mode, G, max_len) if records else 0.0
-        return self._all(local_d)  # Σ over ranks: every rank divides by the same D
-
-    def step(self, trajectories: Any, advantages: Any, **kw: Any) -> dict[str, float]:
-        metrics = super().step(trajectories, advantages, **kw)
-        gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, metrics)
-        out: dict[str, float] = {}
-        for k in metrics:
-            vals = [float(m[k]) for m in gathered if k in m]
-            out[k] = sum(vals) if k in _SUMMED else sum(vals) / len(vals)
-        out["train/trajectories"] = float(len(self._batch))
-        out["train/tokens"] = float(sum(int(r.gen_pos.numel()) for r in self._batch))
-        out["train/world_size"] = float(self.world)
-        return out
 
     # -- weights and checkpoints
 
@@ -277,17 +210,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def rank_device(rank: int, use_gpu: bool) -> str:
-    """``cuda:<rank mod visible devices>`` for a GPU rank (Ray shows an actor only its own
-    GPUs), else ``cpu``. A GPU rank where torch sees no usable GPU fails in one line."""
-    if not use_gpu:
-        return "cpu"
-    from mixrl.runtime.gpu import require_cuda
-
-    require_cuda("trainer.num_gpus > 0")
-    return f"cuda:{rank % torch.cuda.device_count()}"
 
 
 def setup_threads(n: int) -> None:

@@ -60,6 +60,7 @@ from mixrl.train.packing import (
     micro_batches,
     model_inputs,
 )
+from mixrl.train.parallel import Single
 from mixrl.train.routing_replay import TrainerRouting
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}  # fp64: references
@@ -94,6 +95,7 @@ class Trainer:
         gen_budget: int | None = None,  # generation budget per trajectory, for seq_mean_token_sum_norm
         lr_schedule: Callable[[int], float] | None = None,  # lr multiplier per update (train.schedule)
         device: str | torch.device | None = None,  # None: where the parameters already are
+        parallel: Single | None = None,  # how the step is split over processes (train.parallel); None: one
     ) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision {precision!r} is not one of {tuple(PRECISIONS)}")
@@ -127,6 +129,7 @@ class Trainer:
         self.share_prefix = (share_prefix and packing and not is_flash(self.attn_impl)
                              and self.attn_impl != "flex_attention" and not self.routing.rr.active)
         self.version = 0
+        self.parallel = parallel or Single()
         # onto the device first: the optimizer (and its fused kernel choice) is built from these tensors
         model.to(device=torch.device(device) if device is not None else None, dtype=PRECISIONS[precision])
         model.train()
@@ -208,22 +211,27 @@ class Trainer:
     # ------------------------------------------------------------------ step
 
     def denominator(self, records: list[Record], mode: str, G: int | None, max_len: int | None) -> float:
-        seq_ids = torch.cat([torch.full((int(r.gen_pos.numel()),), i) for i, r in enumerate(records)])
+        """The aggregation denominator D of the whole (mini)batch: a sum over its records."""
         max_len = max_len if max_len is not None else self.gen_budget  # D = S · budget = prompts · G · budget
-        if mode == "seq_mean_token_sum_norm" and max_len is None:
-            max_len = max(int(r.gen_pos.numel()) for r in records)  # no budget given: documented fallback
-        return aggregation_denominator(mode, torch.ones(seq_ids.shape[0], dtype=torch.bool), seq_ids,
-                                       len(records), G=G, max_len=max_len)
+        if mode == "seq_mean_token_sum_norm" and max_len is None:  # no budget given: documented fallback
+            max_len = int(self.parallel.all_max(max((int(r.gen_pos.numel()) for r in records), default=0)))
+        d = 0.0
+        if records:
+            seq_ids = torch.cat([torch.full((int(r.gen_pos.numel()),), i) for i, r in enumerate(records)])
+            d = aggregation_denominator(mode, torch.ones(seq_ids.shape[0], dtype=torch.bool), seq_ids,
+                                        len(records), G=G, max_len=max_len)
+        return self.parallel.all_sum(d)
 
     def _accumulate(self, mini: list[Record], denom: float, decoupled: bool, first: bool,
                     names: list[str]) -> tuple[float, dict[str, float], int]:
         """Backward over ``mini`` in micro-batches with the shared ``denom``; grads accumulate."""
         loss_sum, n_micro = 0.0, 0
         metrics: dict[str, float] = {}
-        for micro in self._micro(mini):
+        micros = self._micro(mini)
+        for micro in micros:
             mb = micro.records
             tb = collate_micro(micro, self.pad_id).to(self.device)
-            out = self._forward(tb, mb)
+            out = self.parallel.forward(self._forward, tb, mb)
             old = tb.old_logprobs if decoupled else out.logprobs.detach()
             cold = tb.cand_old_logprobs if decoupled else out.cand_logprobs.detach()
             assert old is not None and cold is not None
@@ -236,6 +244,7 @@ class Trainer:
                 self._store(mb, out, "trainer_logprobs", "cand_trainer_logprobs", "entropy")
                 if not decoupled:
                     self._store(mb, out, "old_logprobs", "cand_old_logprobs")
+        self.parallel.pad(len(micros))
         return loss_sum, metrics, n_micro
 
     def backward(self, trajectories: Sequence[Trajectory], advantages: Sequence[float | Sequence[float]] | Tensor,
@@ -249,6 +258,7 @@ class Trainer:
         records, stats = self._prepare(trajectories, advantages, strict)
         if not records:
             return {}
+        records = self.parallel.shard(records)
         denom = self.denominator(records, denom_mode or self.loss_cfg.aggregation, G, max_len)
         loss, metrics, n_micro = self._accumulate(records, denom, False, True, stats.group_names)
         if n_micro > 1:
@@ -275,7 +285,8 @@ class Trainer:
         """One optimizer update (or ``epochs * minibatches`` of them); returns the metrics."""
         t0, c0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
         mode = denom_mode or self.loss_cfg.aggregation
-        records, stats = self._prepare(trajectories, advantages, strict)
+        batch, stats = self._prepare(trajectories, advantages, strict)
+        records = self.parallel.shard(batch)  # this process's part (all of it on one process)
         frac = self.max_malformed_frac
         if frac is not None and stats.dropped_malformed > frac * len(trajectories):  # else a silent no-op
             raise MalformedBatchError(
@@ -292,9 +303,12 @@ class Trainer:
             decoupled = self.epochs * self.minibatches > 1
             if decoupled:  # p_old fixed at θ_old for every epoch and minibatch
                 with torch.no_grad():
-                    for micro in self._micro(records, self.forward_micro_batch_tokens):
-                        out = self._forward(collate_micro(micro, self.pad_id).to(self.device), micro.records)
+                    micros = self._micro(records, self.forward_micro_batch_tokens)
+                    for micro in micros:
+                        tb = collate_micro(micro, self.pad_id).to(self.device)
+                        out = self.parallel.forward(self._forward, tb, micro.records)
                         self._store(micro.records, out, "old_logprobs", "cand_old_logprobs")
+                    self.parallel.pad(len(micros))
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.version)
             loss0, n_micro = 0.0, 0
             for epoch in range(self.epochs):
@@ -314,7 +328,7 @@ class Trainer:
             metrics["loss"] = loss0 / n_mini  # mean over the epoch-0 minibatches
         self.version += 1
         skipped = sum(not math.isfinite(x) for x in norms)
-        metrics.update(self._counters(records, stats, norms, skipped, time.perf_counter() - t0))
+        metrics.update(self._counters(batch, stats, norms, skipped, time.perf_counter() - t0))
         # CPU of the thread that ran the update: with one torch thread (runtime.torch_threads = 1)
         # the whole update, and wall / CPU above 1 means it waited for a core or the interpreter
         # lock; with more, torch's intra-op worker threads are not in it. The process's CPU over
@@ -323,7 +337,7 @@ class Trainer:
         metrics["perf/train_step_cpu_s"] = time.thread_time() - c0
         metrics["perf/train_step_process_cpu_s"] = time.process_time() - p0
         metrics.update(self.routing.metrics(stats.group_names))
-        return metrics
+        return self.parallel.reduce(metrics)
 
     def _batch_metrics(self, records: list[Record], stats: BatchStats, mode: str,
                        G: int | None, max_len: int | None) -> dict[str, float]:

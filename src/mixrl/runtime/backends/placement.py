@@ -71,7 +71,7 @@ def visible_env(device: int | None) -> str:
 
 
 def trainer_devices(cfg: RunConfig, visible: int) -> list[int]:
-    """Devices the trainer ranks take (``train.distributed.rank_device``: rank mod visible)."""
+    """Devices the trainer ranks take (``runtime.ranks.rank_device``: rank mod visible)."""
     t = cfg.trainer
     return sorted({r % visible for r in range(t.world_size)}) if t.num_gpus > 0 and visible else []
 

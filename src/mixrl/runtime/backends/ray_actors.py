@@ -87,8 +87,8 @@ class SamplerActor:
 @ray.remote(concurrency_groups={"weights": 8}, **ACTOR_OPTS)  # type: ignore[call-overload]
 class TrainerActor:
     def __init__(self, cfg: dict[str, Any], model_path: str, loss_cfg: Any) -> None:
+        from mixrl.runtime.ranks import rank_device
         from mixrl.runtime.trainer_state import build_trainer
-        from mixrl.train.distributed import rank_device
 
         run = RunConfig.model_validate(cfg)
         # Ray shows this actor only its bundle's GPUs: cuda:0; num_gpus = 0 pins the CPU
