@@ -111,8 +111,8 @@ def test_each_ray_sampler_actor_sees_only_its_gpus(tiny_policy: Path, tmp_path: 
     import tempfile
 
     ray = pytest.importorskip("ray")
-    from mixrl.runtime.backends import ray_auth
     from mixrl.runtime.backends.ray_backend import RayBackend
+    from mixrl.runtime.backends.ray_backend import auth as ray_auth
     from mixrl.runtime.run import resolve_loss
 
     monkeypatch.setenv("RAY_AUTH_MODE", "token")

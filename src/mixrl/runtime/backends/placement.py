@@ -1,7 +1,7 @@
 """What an actor or worker reserves: placement-group bundles and the logical CPUs of a local
 Ray cluster; the GPU each embedded sampler worker takes and the memory check of one host.
 
-Ray-free arithmetic (``ray_backend`` turns bundles into placement groups; the embedded
+Ray-free arithmetic (the Ray backend turns bundles into placement groups; the embedded
 backend sets each worker's ``CUDA_VISIBLE_DEVICES`` from ``replica_device``).
 """
 

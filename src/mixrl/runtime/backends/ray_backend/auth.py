@@ -3,7 +3,7 @@
 ``require_token_mode`` turns Ray's token mode on for this process and every process it
 starts; ``check_cluster_token`` asks a cluster's GCS to accept this process's token with
 one deadline-bound call, so a missing or wrong token is one clear ``RayAuthError`` line
-instead of Ray's reconnect warnings. Part of the Ray backend (``ray_backend``), the only
+instead of Ray's reconnect warnings. Part of the Ray backend (``runtime.backends.ray_backend``), the only
 place that imports Ray.
 """
 

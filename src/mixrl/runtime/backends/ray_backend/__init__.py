@@ -1,6 +1,6 @@
 """Ray backend: sampler replicas and the trainer as Ray actors.
 
-This module (with ``ray_actors``, ``ray_handles`` and ``ray_auth``) is the only place that imports Ray. The orchestrator is the same as
+This package (``actors``, ``handles``, ``auth`` and the backend here) is the only place that imports Ray. The orchestrator is the same as
 in-process; only the handles differ:
 
 - a sampler replica is an async actor holding an engine behind a ``BatchingSampler``;
@@ -27,7 +27,7 @@ So each group lands on its hardware, and a replica whose node is removed fails
 over like any dead replica (the fleet's health watch pings idle ones). A new
 local cluster declares as many logical CPUs as the fleet needs at its largest.
 
-Authentication: every cluster runs with Ray's token authentication (``ray_auth``;
+Authentication: every cluster runs with Ray's token authentication (``auth``;
 mixrl never opts out). ``start`` joins ``runtime.ray.address`` or ``$RAY_ADDRESS``,
 its token checked first; else it starts a local cluster: token auth on, no
 dashboard, a private temporary directory.
@@ -50,9 +50,13 @@ from mixrl.config import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.runtime.backends.format_refs import FormatRefs
 from mixrl.runtime.backends.placement import bundle, check_broadcast, cpus_needed
-from mixrl.runtime.backends.ray_actors import RankActor, SamplerActor, TrainerActor
-from mixrl.runtime.backends.ray_auth import RayAuthError, check_cluster_token, require_token_mode  # noqa: F401
-from mixrl.runtime.backends.ray_handles import RayRanks, RaySampler, RayTrainer
+from mixrl.runtime.backends.ray_backend.actors import RankActor, SamplerActor, TrainerActor
+from mixrl.runtime.backends.ray_backend.auth import (  # noqa: F401
+    RayAuthError,
+    check_cluster_token,
+    require_token_mode,
+)
+from mixrl.runtime.backends.ray_backend.handles import RayRanks, RaySampler, RayTrainer
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.sampling.base import ReplicaFailure
 
