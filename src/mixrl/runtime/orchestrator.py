@@ -267,7 +267,7 @@ class Orchestrator:
                 self._cpu.poll()  # a replica that dies later counts up to here at least
                 if self.sinks is not None and hasattr(self.sinks, "batch"):
                     self.sinks.batch(self.step, version, groups)
-                if self.cfg.observe.stop_on_collapse and self.monitor is not None and self.monitor.collapsed:
+                if self.cfg.observe.stop_on_collapse and self.monitor.collapsed:
                     print(f"collapse flagged at step {self.monitor.first_collapse_step} "
                           "(observe.stop_on_collapse): stopping")
                     break
@@ -307,7 +307,7 @@ class Orchestrator:
             "perf/samples_per_s": self.samples / max(elapsed, 1e-9),
             "perf/trainer_idle_frac": self.timers["wait_s"] / max(elapsed, 1e-9),
         }
-        cost = self.cost.update(episodes.tokens_by_group(trajs)) if self.cost is not None else {}
+        cost = self.cost.update(episodes.tokens_by_group(trajs))
         return merge_metrics([
             ("trainer", tmetrics), ("buffer", bmetrics), ("advantages", astats),
             ("episodes", episodes.rollout_metrics(trajs, [g.name for g in self.cfg.fleet.groups])),
@@ -318,10 +318,9 @@ class Orchestrator:
         self.history.append(m)
         if self.sinks is not None:
             self.sinks.write(self.step, elapsed, m)
-        if self.monitor is not None:
-            events = self.monitor.update(self.step, m)
-            if events and self.sinks is not None and hasattr(self.sinks, "events"):
-                self.sinks.events(events)
+        events = self.monitor.update(self.step, m)
+        if events and self.sinks is not None and hasattr(self.sinks, "events"):
+            self.sinks.events(events)
         if self.progress is not None:
             self.progress.update(self.step, m, elapsed)
 
@@ -343,7 +342,7 @@ class Orchestrator:
             "timers": dict(self.timers),
             "fleet": self.fleet.metrics(),
             "cpu": self._cpu_summary(),
-            "collapse": self.monitor.summary() if self.monitor is not None else None,
+            "collapse": self.monitor.summary(),
         }
 
     def _cpu_summary(self) -> dict[str, float | None]:
