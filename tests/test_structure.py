@@ -180,8 +180,8 @@ def test_the_checks_see_what_they_look_for() -> None:
         "numerics/fake.py": ast.parse("from mixrl.runtime.quiet import quiet\n"),
         "rollout/fake.py": ast.parse("from ..train import batch\n"),
         "serve/fake.py": ast.parse("from mixrl.rollout.session import _x\nimport mixrl.train._hidden\n"
-                                      "import mixrl.train.trainer as t\nfrom mixrl.train.trainer import Trainer\n"
-                                      "t._f()\nTrainer._forward(None)\n"),
+                                   "import mixrl.train.trainer as t\nfrom mixrl.train.trainer import Trainer\n"
+                                   "t._f()\nTrainer._forward(None)\n"),
         "envs/fake.py": ast.parse("class A:\n    def f(self):\n" + "        pass\n" * MAX_LINES),
     }
     assert upward_imports(bad) == {("numerics/fake.py", "mixrl.runtime.quiet"), ("rollout/fake.py", "mixrl.train")}
