@@ -51,7 +51,7 @@ API_MODULES = (
     "mixrl.corrections.centering", "mixrl.corrections.objectives", "mixrl.corrections.aggregation",
     "mixrl.corrections.advantages", "mixrl.corrections.metrics", "mixrl.corrections.replay",
     "mixrl.corrections.regularizers", "mixrl.corrections.types",
-    "mixrl.config.run", "mixrl.config.loss", "mixrl.config.presets",
+    "mixrl.config.schema", "mixrl.config.io", "mixrl.config.loss", "mixrl.config.presets",
     "mixrl.envs.base", "mixrl.envs.rewards", "mixrl.sampling.base", "mixrl.sampling.profiles",
     "mixrl.rollout.types", "mixrl.runtime.run", "mixrl.bench.headlines",
 )
@@ -163,8 +163,8 @@ def model_fields(model: type[BaseModel], prefix: str) -> list[FieldDoc]:
 
 def config_sections() -> dict[str, tuple[str, list[tuple[str, type[BaseModel], str]]]]:
     """Page name -> (title, [(heading, model, prefix)]), one page per section of RunConfig."""
+    from mixrl.config import RunConfig
     from mixrl.config.loss import LossConfig
-    from mixrl.config.run import RunConfig
     from mixrl.sampling.profiles import Profile
 
     pages = {}

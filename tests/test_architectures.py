@@ -175,7 +175,7 @@ def test_quantizing_cache_stores_numerics_values():
 def test_architecture_an_engine_cannot_run_is_refused_naming_the_engines_that_can(tmp_path):
     from transformers import BertConfig, T5Config
 
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
     from mixrl.sampling.factory import make_engine
     from mixrl.sampling.support import UnsupportedArchitectureError, check_architecture, check_fleet
 
@@ -204,7 +204,7 @@ def test_architecture_an_engine_cannot_run_is_refused_naming_the_engines_that_ca
 # ------------------------------------------------------------------ training matrix
 
 def _train_and_evaluate(path: Path, run_dir: Path, groups: list[dict[str, Any]]) -> dict[str, Any]:
-    from mixrl.config.run import build_config
+    from mixrl.config import build_config
     from mixrl.rollout.evaluate import evaluate
     from mixrl.runtime.run import train
 

@@ -8,7 +8,7 @@ import torch
 
 from mixrl import cli
 from mixrl.bench import cli as bench_cli
-from mixrl.bench.loss import _nucleus
+from mixrl.bench.loss import nucleus
 
 KEYS = ("T", "V", "d", "naive_peak_mb", "chunked_peak_mb", "naive_s", "chunked_s",
         "grpo_loss_s", "sc_mis_topp_loss_s")
@@ -32,7 +32,7 @@ def test_bench_loss_json_keys(capsys):
 def test_nucleus_matches_sorted_cumsum():
     torch.manual_seed(0)
     z = torch.randn(20, 50) * 3
-    idx, sizes = _nucleus(z, 0.9, 50)
+    idx, sizes = nucleus(z, 0.9, 50)
     for r in range(20):
         p = torch.softmax(z[r], 0).sort(descending=True).values
         k = int((p.cumsum(0) < 0.9).sum()) + 1  # smallest prefix with mass >= 0.9

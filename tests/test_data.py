@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from mixrl.config.run import build_config
+from mixrl.config import build_config
 from mixrl.data import DataError, DatasetSource, load_rows, open_split
 
 ROWS = [{"prompt": f"What is {i}+1?", "answer": str(i + 1), "level": i % 3} for i in range(10)]

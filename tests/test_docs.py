@@ -85,8 +85,8 @@ def _cells(text: str) -> list[str]:
 
 
 def test_configuration_reference_covers_every_field(gen, pages) -> None:
+    from mixrl.config import RunConfig
     from mixrl.config.loss import LossConfig
-    from mixrl.config.run import RunConfig
     from mixrl.sampling.profiles import Profile
 
     expected = set()
@@ -101,7 +101,7 @@ def test_configuration_reference_covers_every_field(gen, pages) -> None:
 
 
 def test_each_field_row_states_type_default_bounds_description(pages) -> None:
-    from mixrl.config.run import RolloutConfig
+    from mixrl.config import RolloutConfig
 
     rows = _documented(pages)
     for path, cells in rows.items():
@@ -114,7 +114,7 @@ def test_each_field_row_states_type_default_bounds_description(pages) -> None:
 
 
 def test_every_config_section_has_its_page_and_index_row(pages) -> None:
-    from mixrl.config.run import RunConfig
+    from mixrl.config import RunConfig
 
     for name in RunConfig.model_fields:
         assert f"reference/config/{name}.md" in pages

@@ -35,7 +35,7 @@ def _tiny_llama(path: Path) -> Path:
 @pytest.fixture(scope="module", params=["qwen3", "llama"])
 def trained_run(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A 2-update run with a checkpoint after each update."""
-    from mixrl.config.run import build_config
+    from mixrl.config import build_config
     from mixrl.runtime.run import train
 
     root = tmp_path_factory.mktemp(request.param)

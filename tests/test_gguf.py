@@ -19,7 +19,7 @@ import torch
 from gguf_model import write_tiny_gguf
 from tolerance import assert_close
 
-from mixrl.config.run import ConfigError
+from mixrl.config import ConfigError
 from mixrl.models.gguf import cache_root, gguf_file, is_gguf_spec
 from mixrl.models.loading import check_model, resolve_model
 
@@ -72,7 +72,7 @@ def test_conversion_keeps_the_source_logits_tokenizer_and_template(tiny, cache: 
 
 
 def test_a_run_records_the_gguf_digest(tiny, cache: Path) -> None:
-    from mixrl.config.run import RunConfig
+    from mixrl.config import RunConfig
     from mixrl.runtime.inputs import describe_inputs, model_digest
 
     _, path = tiny

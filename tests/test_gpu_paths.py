@@ -109,8 +109,8 @@ def test_cpu_ranks_stay_on_cpu_on_a_host_with_an_accelerator(tmp_path: Any, prec
     accelerator); ``optim.precision = "fp16"`` trains under ranks."""
     import math
 
+    from mixrl.config import build_config
     from mixrl.config.presets import needs
-    from mixrl.config.run import build_config
     from mixrl.runtime.run import resolve_loss
     from tests.test_fsdp import batch
 
@@ -131,7 +131,7 @@ def test_cpu_ranks_stay_on_cpu_on_a_host_with_an_accelerator(tmp_path: Any, prec
 
 
 def test_a_gpu_torch_cannot_use_is_named_in_one_line(tmp_path: Any) -> None:
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
     from mixrl.runtime.gpu import cuda_problem, require_cuda
     from mixrl.runtime.ranks import rank_device
 
@@ -233,8 +233,8 @@ def test_probe_closes_every_engine_it_builds(tmp_path: Any, monkeypatch: pytest.
 def test_flash_attention_selects_one_packed_row_per_micro_batch() -> None:
     """The kernel a CUDA bf16 trainer gets with flash_attn installed makes the trainer plan
     one packed row per micro-batch (sequences cut by position ids, no mask); SDPA does not."""
+    from mixrl.config import build_config
     from mixrl.config.presets import needs
-    from mixrl.config.run import build_config
     from mixrl.models.policy import attn_implementation_for, load_policy
     from mixrl.runtime.run import resolve_loss
     from mixrl.train.trainer import Trainer

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from mixrl.config.run import build_config
+from mixrl.config import build_config
 
 torch.set_num_threads(1)
 STEPS = 3

@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
+from mixrl.config import OverlongFilter, OverlongPenalty, RunConfig, build_config
 from mixrl.config.loss import LossConfig, RefKL
-from mixrl.config.run import OverlongFilter, OverlongPenalty, RunConfig, build_config
 from mixrl.corrections import LossInputs, compute_loss
 from mixrl.corrections.regularizers import entropy_surrogate, ref_kl_surrogate
 from mixrl.rollout.advantages import batch_advantages, overlong_penalty

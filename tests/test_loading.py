@@ -10,7 +10,7 @@ import torch
 from chat_templates import QWEN, bpe_tokenizer, save_tiny_llama
 from hf_cache import hf_cache_layout
 
-from mixrl.config.run import ConfigError
+from mixrl.config import ConfigError
 from mixrl.models.loading import check_model, load_tokenizer, resolve_model
 
 torch.set_num_threads(1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_fsdp import batch
 
-from mixrl.config.run import build_config
+from mixrl.config import build_config
 
 torch.set_num_threads(1)
 

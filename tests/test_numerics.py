@@ -14,7 +14,7 @@ from mixrl.numerics import (
     quantize_weight,
     relative_error,
 )
-from mixrl.numerics._torchao import torchao_mx
+from mixrl.numerics.torchao_ref import torchao_mx
 
 torch.set_num_threads(1)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mixrl.numerics import fp8, microscaling, quantize_kv, quantize_weight
-from mixrl.numerics._torchao import torchao_mx
+from mixrl.numerics.torchao_ref import torchao_mx
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 

@@ -267,7 +267,7 @@ def test_bad_settings_are_rejected():
         Trainer(tiny(), cfg, lr=1e-3, packing=True, micro_batch_size=2)
     from pydantic import ValidationError
 
-    from mixrl.config.run import OptimConfig
+    from mixrl.config import OptimConfig
 
     with pytest.raises(ValidationError, match="micro_batch_tokens"):
         OptimConfig(micro_batch_tokens=0)

@@ -216,14 +216,14 @@ def test_budget_bounds_the_kept_kv_and_evictions_are_counted(model):
 def test_fleet_sums_the_counts_per_group(model):
     from transformers import AutoModelForCausalLM
 
-    from mixrl.config.run import build_config
+    from mixrl.config import build_config
     from mixrl.fleet.fleet import Fleet, GroupSpec
     from mixrl.fleet.weights import WeightStore, copy_state_dict
-    from mixrl.runtime.backends.inprocess import InProcessBackend
+    from mixrl.runtime.backends.embedded import EmbeddedBackend
 
     async def main() -> dict[str, float]:
         cfg = build_config({"fleet": {"groups": [{"name": "a", "profile": "fp32", "replicas": 1}]}})
-        backend = InProcessBackend(cfg, model, None)
+        backend = EmbeddedBackend(cfg, model, None)
         fleet = Fleet([GroupSpec("a", 1.0, 1, 0, 1)], backend.make_sampler, WeightStore(), seed=0)
         fleet.publish(0, copy_state_dict(AutoModelForCausalLM.from_pretrained(model).state_dict()))
         await fleet.start()

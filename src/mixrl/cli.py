@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"mixrl {name}", description=COMMANDS[name][1])
     module.configure(parser)
     args = parser.parse_args(rest)
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
 
     try:
         return int(module.main(args) or 0)

@@ -35,7 +35,7 @@ def _traj(i: int, n: int, reward: float = 1.0, lp: float = -1.0, info: dict | No
 
 
 def test_dr_grpo_denominator_uses_the_generation_budget():
-    from mixrl.config.run import build_config
+    from mixrl.config import build_config
     from mixrl.runtime.trainer_state import generation_budget
 
     cfg = LossConfig(aggregation="seq_mean_token_sum_norm", advantage={"use_std": False})

@@ -160,7 +160,7 @@ def test_stop_after_starts_nothing_late(tmp_path, capsys):
 
 def test_fp32_score_runs_the_real_evaluation(tmp_path):
     """One common FP32 sampler, the run's own environment: ``mixrl eval`` in a subprocess."""
-    from mixrl.config import run as runcfg
+    import mixrl.config as runcfg
     from mixrl.observe.compare import default_config_path
 
     cfg = runcfg.load_config(default_config_path().with_name("demo.toml"))

@@ -135,16 +135,16 @@ def test_closing_a_channel_wakes_a_send_waiting_for_its_replica() -> None:
 def test_the_fleet_loads_the_newest_version_when_a_load_was_superseded(tiny_policy: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from mixrl.config.run import build_config
+    from mixrl.config import build_config
     from mixrl.fleet.fleet import Fleet, GroupSpec
     from mixrl.fleet.handles import Superseded
     from mixrl.fleet.weights import WeightStore, copy_state_dict
-    from mixrl.runtime.backends.inprocess import InProcessBackend
+    from mixrl.runtime.backends.embedded import EmbeddedBackend
 
     async def main() -> None:
         cfg = build_config({"fleet": {"groups": [{"name": "a", "profile": "fp32", "replicas": 1}]},
                             "runtime": {"sampler_workers": "thread"}})
-        backend = InProcessBackend(cfg, str(tiny_policy), None)
+        backend = EmbeddedBackend(cfg, str(tiny_policy), None)
         fleet: Fleet
         asked: list[int] = []
 

@@ -6,7 +6,7 @@ import tomllib
 
 import pytest
 
-from mixrl.config.run import ConfigError, RunConfig, build_config, derive, load_config, to_toml
+from mixrl.config import ConfigError, RunConfig, build_config, derive, load_config, to_toml
 from mixrl.runtime import cli
 
 
@@ -23,6 +23,15 @@ def test_demo_config_is_valid_and_round_trips() -> None:
     assert {g.profile for g in cfg.fleet.groups} >= {"b200-nvfp4", "h100-fp8", "h100-bf16", "b200-bf16"}
     again = RunConfig.model_validate(tomllib.loads(to_toml(cfg)))
     assert again == cfg
+
+
+def test_nested_and_unset_fields_round_trip_through_toml() -> None:
+    cfg = load_config(None, ['observe.wandb={project = "p", tags = ["a", "b"]}', "trainer.lora={rank = 4}",
+                             'fleet.groups.1.overrides={compute_dtype = "bf16"}', 'rollout.overlong={type = "penalty"}',
+                             'reward.functions=["a.py:f", "b:g"]', "reward.weights=[0.5, 2.0]"])
+    text = to_toml(cfg)
+    assert "null" not in text and "top_p" not in text  # None fields are left out
+    assert RunConfig.model_validate(tomllib.loads(text)) == cfg
 
 
 def test_overrides_reach_default_lists_and_parse_toml_literals() -> None:

@@ -9,21 +9,21 @@ from typing import Any
 
 import torch
 
-from mixrl.config.run import build_config
+from mixrl.config import build_config
 from mixrl.fleet.fleet import Fleet, GroupSpec, SessionFailed
 from mixrl.fleet.router import READY, NoReplicaAvailable
 from mixrl.fleet.weights import WeightStore, copy_state_dict
-from mixrl.runtime.backends.inprocess import InProcessBackend
+from mixrl.runtime.backends.embedded import EmbeddedBackend
 from mixrl.sampling.base import GenerationRequest, SamplingParams
 
 
-def _setup(path: Path, replicas: dict[str, int]) -> tuple[InProcessBackend, Fleet, dict]:
+def _setup(path: Path, replicas: dict[str, int]) -> tuple[EmbeddedBackend, Fleet, dict]:
     from transformers import AutoModelForCausalLM
 
     groups = [{"name": g, "profile": p, "replicas": n, "min_replicas": 0, "max_replicas": 4}
               for g, (p, n) in replicas.items()]
     cfg = build_config({"fleet": {"groups": groups}})
-    backend = InProcessBackend(cfg, str(path), None)
+    backend = EmbeddedBackend(cfg, str(path), None)
     specs = [GroupSpec(g.name, 1.0, g.replicas, 0, 4) for g in cfg.fleet.groups]
     fleet = Fleet(specs, backend.make_sampler, WeightStore(), seed=0, max_retries=4)
     sd = AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
@@ -182,7 +182,7 @@ def test_a_weights_load_error_fails_the_replica_never_a_stall(tiny_policy: Path)
     async def main() -> None:
         cfg = build_config({"fleet": {"groups": [{"name": "a", "profile": "fp32", "replicas": 1}]},
                             "runtime": {"sampler_workers": "thread"}})
-        backend = InProcessBackend(cfg, str(tiny_policy), None)
+        backend = EmbeddedBackend(cfg, str(tiny_policy), None)
 
         async def make(group: str, name: str) -> Any:
             h = await backend.make_sampler(group, name)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from mixrl.config.run import ConfigError, build_config
+from mixrl.config import ConfigError, build_config
 from mixrl.runtime.backends.placement import check_gpu_plan, replica_device, visible_env
 
 
@@ -111,15 +111,15 @@ def test_each_ray_sampler_actor_sees_only_its_gpus(tiny_policy: Path, tmp_path: 
     import tempfile
 
     ray = pytest.importorskip("ray")
-    from mixrl.runtime.backends import ray_auth
     from mixrl.runtime.backends.ray_backend import RayBackend
+    from mixrl.runtime.backends.ray_backend import auth as ray_auth
     from mixrl.runtime.run import resolve_loss
 
     monkeypatch.setenv("RAY_AUTH_MODE", "token")
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    ray_auth._require_token_mode()
+    ray_auth.require_token_mode()
     cfg = build_config({
         "model": {"path": str(tiny_policy)}, "runtime": {"backend": "ray"},
         "fleet": {"groups": [

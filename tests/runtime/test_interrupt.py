@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from mixrl.config.run import build_config
+from mixrl.config import build_config
 from mixrl.envs.base import Env, StepResult, Task
 from mixrl.fleet.fleet import Fleet, GroupSpec
 from mixrl.fleet.weights import WeightStore, copy_state_dict
 from mixrl.rollout.session import piece_id, run_episode
 from mixrl.rollout.types import Trajectory
-from mixrl.runtime.backends.inprocess import InProcessBackend
+from mixrl.runtime.backends.embedded import EmbeddedBackend
 from mixrl.runtime.episodes import mixed_version_turns
 from mixrl.runtime.run import train
 from mixrl.runtime.sessions import Shadow
@@ -55,7 +55,7 @@ def _fleet(path: Path) -> tuple[Fleet, dict[str, torch.Tensor]]:
 
     cfg = build_config({"fleet": {"groups": [{"name": "fp32", "profile": "fp32", "replicas": 1}]},
                         "runtime": {"sampler_workers": "thread"}})
-    backend = InProcessBackend(cfg, str(path), None)
+    backend = EmbeddedBackend(cfg, str(path), None)
     fleet = Fleet([GroupSpec("fp32", 1.0, 1, 0, 2)], backend.make_sampler, WeightStore(), seed=0)
     return fleet, AutoModelForCausalLM.from_pretrained(str(path)).state_dict()
 

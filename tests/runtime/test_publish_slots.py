@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from mixrl.config.run import build_config
+from mixrl.config import build_config
 from mixrl.runtime.backends.embedded.slots import QuantizeSlots
 from mixrl.sampling.base import GenerationRequest, SamplingParams
 

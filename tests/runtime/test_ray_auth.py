@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from mixrl.config.run import to_toml
+from mixrl.config import to_toml
 
 from .test_run import tiny_cfg
 
@@ -26,8 +26,8 @@ pytestmark = pytest.mark.ray
 
 _CLIENT = r"""
 import sys
-from mixrl.runtime.backends.ray_backend import RayAuthError, _require_token_mode, check_cluster_token
-_require_token_mode()
+from mixrl.runtime.backends.ray_backend import RayAuthError, require_token_mode, check_cluster_token
+require_token_mode()
 try:
     check_cluster_token(sys.argv[1], timeout_s=5)
     print("ACCEPTED")

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixrl.config.run import build_config
+from mixrl.config import build_config
 from mixrl.sampling.base import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.ray

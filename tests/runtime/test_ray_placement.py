@@ -35,7 +35,7 @@ def test_groups_land_on_their_accelerators_and_survive_a_removed_node(
     monkeypatch.setenv("RAY_AUTH_TOKEN", secrets.token_hex(32))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.setattr(ray_backend, "PLACEMENT_TIMEOUT_S", 10.0)  # the replacement finds no free H100
-    ray_backend._require_token_mode()  # this process starts the nodes: Ray re-reads the mode and token
+    ray_backend.require_token_mode()  # this process starts the nodes: Ray re-reads the mode and token
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 1, "resources": {"accelerator_type:B200": 1}, "include_dashboard": False})
     kinds = {cluster.head_node.node_id: "B200"}

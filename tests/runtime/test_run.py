@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from mixrl.config.run import RunConfig, build_config
+from mixrl.config import RunConfig, build_config
 from mixrl.runtime.run import train
 
 G, B = 4, 2

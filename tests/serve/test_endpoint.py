@@ -47,7 +47,7 @@ def _core(path: Path, **kw):
 def _whole(chat, messages, traj) -> list[int]:
     """The template's rendering of ``messages`` in one piece: replies as their generated ids."""
     from mixrl.envs.untrusted import encode_untrusted
-    from mixrl.serve.conversation import SENTINEL, _for_template
+    from mixrl.serve.conversation import SENTINEL, template_messages
 
     runs, cur = [], []
     for tok, m in zip(traj.tokens, traj.loss_mask, strict=True):
@@ -59,7 +59,7 @@ def _whole(chat, messages, traj) -> list[int]:
     runs += [cur] if cur else []
     runs = [r[:-1] if r[-1] in chat.stop_ids else r for r in runs]
     contents: list[str] = []
-    text = chat.tokenizer.apply_chat_template(_for_template(messages, contents), tools=TOOLS,
+    text = chat.tokenizer.apply_chat_template(template_messages(messages, contents), tools=TOOLS,
                                               add_generation_prompt=False, tokenize=False)
     out, reply = [], 0
     for i, content in enumerate(contents):

@@ -67,7 +67,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _cfg(base: list[str], run_dir: Path, extra: list[str]) -> Any:
-    from mixrl.config.run import load_config
+    from mixrl.config import load_config
 
     return load_config(None, [*base, f'observe.run_dir="{run_dir.as_posix()}"', *extra])
 
@@ -167,7 +167,7 @@ def measure_publish(base: list[str], model_path: str, groups: list[str] | None, 
     """
     import asyncio
 
-    from mixrl.config.run import load_config
+    from mixrl.config import load_config
     from mixrl.fleet.fleet import Fleet, GroupSpec
     from mixrl.fleet.shared_weights import SharedVersion
     from mixrl.fleet.weights import WeightStore

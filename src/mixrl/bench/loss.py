@@ -59,7 +59,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-child", choices=["naive", "chunked"], help=argparse.SUPPRESS)
 
 
-def _nucleus(z, top_p: float, cap: int):
+def nucleus(z, top_p: float, cap: int):
     """Top-p sets of logits rows ``z [C, V]``: (ids [C, cap], sizes [C]); sizes capped at ``cap``."""
     import torch
 
@@ -79,7 +79,7 @@ def make_inputs(T: int, V: int, d: int, seed: int, top_p: float, support: float,
     lo, hi = 0.05, 50.0  # bisection on the global logit scale: mean nucleus size ≈ support
     for _ in range(30):
         mid = (lo * hi) ** 0.5
-        lo, hi = (lo, mid) if _nucleus(probe * mid, top_p, 1024)[1].float().mean() < support else (mid, hi)
+        lo, hi = (lo, mid) if nucleus(probe * mid, top_p, 1024)[1].float().mean() < support else (mid, hi)
     h = h0 * (lo * hi) ** 0.5
     y_full, lq_full, y_top = torch.empty(T, dtype=torch.long), torch.empty(T), torch.empty(T, dtype=torch.long)
     offsets, ids, lq_cand = [0], [], []
@@ -89,7 +89,7 @@ def make_inputs(T: int, V: int, d: int, seed: int, top_p: float, support: float,
             logq = torch.log_softmax(zq, 1)  # [C, V]
             y = torch.multinomial(logq.exp(), 1, generator=g).squeeze(1)
             y_full[s0:s0 + chunk], lq_full[s0:s0 + chunk] = y, logq.gather(1, y[:, None]).squeeze(1)
-            idx, sizes = _nucleus(zq, top_p, 1024)
+            idx, sizes = nucleus(zq, top_p, 1024)
             for r in range(idx.shape[0]):
                 sup = idx[r, : int(sizes[r])]
                 lq = torch.log_softmax(zq[r, sup], 0)  # q renormalised on its nucleus

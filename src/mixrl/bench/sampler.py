@@ -42,7 +42,7 @@ and each layer the fused qkv GEMM, attention over the cache prefix that step rea
 layer as the engine's cache), the o, fused gate+up and down GEMMs; ``lm_head`` once per
 generated token. Kernels: the engine's own, on its loaded weights (``PackedLinear``: MKL
 sgemm on the transposed weight, residual adds in the accumulator; attention:
-``qwen3_forward._decode_attention``); ``F.linear`` + SDPA on the same work measured 4% (GEMMs)
+``qwen3_forward.decode_attention``); ``F.linear`` + SDPA on the same work measured 4% (GEMMs)
 and 3% (attention) slower side by side, so these are the cheaper of the two. Not in it:
 norms, RoPE, SiLU and the SwiGLU product, the cache write, the prefill's attention,
 sampling, Python bookkeeping. ``floor_tok_s`` = generated tokens / (``floor_gemm_s`` +
@@ -202,7 +202,7 @@ class Floor:
     """The unavoidable work of the fast path's generation, timed alone (see the module doc).
 
     The engine's own weights and GEMM kernels (its ``PackedLinear`` layers) and its decode
-    attention (``qwen3_forward._decode_attention``), on random preallocated inputs, in the
+    attention (``qwen3_forward.decode_attention``), on random preallocated inputs, in the
     engine's order: the prefill's GEMMs once over ``rows * prompt_len`` rows, then per decode
     step and layer the qkv GEMM, attention over the cache prefix the engine reads at that
     step, the o, gate+up and down GEMMs (residual adds in the accumulator, as the engine);
@@ -214,7 +214,7 @@ class Floor:
     def __init__(self, engine: Any, batch: int, prompt_len: int, new: int, seed: int) -> None:
         import torch
 
-        self.w, s = engine._weights, engine.path.shape
+        self.w, s = engine.weights, engine.path.shape
         self.P, self.N = prompt_len, new
         self.rows = [min(engine.max_batch, batch - i) for i in range(0, batch, engine.max_batch)]
         g = torch.Generator().manual_seed(seed)
@@ -254,7 +254,7 @@ class Floor:
     def __call__(self) -> int:
         import torch
 
-        from mixrl.sampling.builtin.qwen3_forward import _decode_attention
+        from mixrl.sampling.builtin.qwen3_forward import decode_attention
 
         clock, layers = time.perf_counter, self.w.layers
         gemm = attn = 0.0
@@ -273,7 +273,7 @@ class Floor:
                         t0 = clock()
                         L.qkv(x)
                         t1 = clock()
-                        _decode_attention(q, k[:, :, :end], v[:, :, :end], None)
+                        decode_attention(q, k[:, :, :end], v[:, :, :end], None)
                         t2 = clock()
                         self._after_attention(L, x, a, m)
                         t3 = clock()

@@ -92,7 +92,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def run_config(model_path: str, budget: int | None, packing: bool, seed: int, threads: int) -> Any:
     """The demo's run config with the trainer settings under test."""
-    from mixrl.config.run import load_config
+    from mixrl.config import load_config
 
     sets = [f'model.path="{model_path}"', f"runtime.seed={seed}", f"runtime.torch_threads={threads}",
             f"optim.packing={'true' if packing else 'false'}"]

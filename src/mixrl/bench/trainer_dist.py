@@ -72,7 +72,7 @@ def measure_fsdp(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, An
 
 def measure_lora(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
     from mixrl.bench.trainer import batch_of, run_config
-    from mixrl.config.run import LoraConfig
+    from mixrl.config import LoraConfig
     from mixrl.runtime.run import resolve_loss
     from mixrl.runtime.trainer_state import build_trainer
 

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from mixrl.corrections.aggregation import token_scale
-from mixrl.corrections.behaviour import apply_corrections
+from mixrl.corrections.behaviour import Behaviour, apply_corrections
 from mixrl.corrections.centering import candidate_validity, centering_coefficients, centering_term
 from mixrl.corrections.metrics import collect_mismatch, drop_empty_splits, masked_mean, to_floats
 from mixrl.corrections.objectives import ObjectiveInputs, surrogate
@@ -80,33 +80,10 @@ def compute_loss(
     an attached zero). Raises ``ValueError`` on inconsistent inputs or when the
     config needs candidates the batch does not carry.
     """
-    inputs.validate()
-    if cfg.score_centering and inputs.cand_kind == "none":
-        raise ValueError(
-            "score_centering=True needs candidates of q, but LossInputs.cand_kind is 'none'"
-        )
-    if cfg.support_replay and inputs.cand_kind != "support":
-        raise ValueError(f"support_replay=True needs cand_kind 'support', got {inputs.cand_kind!r}")
-    d_val = float(denom)  # one host sync when D arrives as a tensor
-    if not math.isfinite(d_val) or d_val < 0:
-        raise ValueError(f"denom must be a finite number >= 0, got {d_val}")
+    d_val = _checked_denominator(inputs, cfg, denom)
     clamp = cfg.log_ratio_clamp
     lp_raw = inputs.trainer_logprobs
-    valid = inputs.loss_mask.clone()
-    for t in (lp_raw, inputs.old_logprobs, inputs.sampler_logprobs, inputs.advantages):
-        valid &= torch.isfinite(t.detach())
-    cand_ok = None
-    if inputs.has_candidates:
-        assert inputs.cand_offsets is not None and inputs.cand_trainer_logprobs is not None
-        assert inputs.cand_old_logprobs is not None and inputs.cand_sampler_logprobs is not None
-        cand_ok, pos_ok = candidate_validity(
-            inputs.cand_offsets,
-            inputs.cand_trainer_logprobs.detach(),
-            inputs.cand_old_logprobs,
-            inputs.cand_sampler_logprobs,
-        )  # [K], [N]
-        valid &= pos_ok
-    nonfinite = (inputs.loss_mask & ~valid).sum()
+    valid, cand_ok = _valid_tokens(inputs)  # [N], [K] or None
 
     # finite copies, in float32 at least (a bf16 ratio would carry ~1e-2 of rounding,
     # more than the mismatch being corrected); only lp carries the gradient
@@ -147,31 +124,74 @@ def compute_loss(
     with torch.no_grad():
         metrics = collect_mismatch(inputs, valid, clamp)
         metrics.update(reg_metrics)
-        w = beh.weight * valid.to(dt)  # [N] final behaviour weights
-        n_valid = valid.sum().clamp_min(1)
-        metrics["policy/tv"] = masked_mean(
-            0.5 * (1.0 - torch.exp(clamp_log(lp.detach() - old, clamp))).abs(), valid
-        )
-        metrics["policy/clip_frac"] = masked_mean(clipped.to(dt), valid)
-        metrics["corr/masked_frac"] = masked_mean(beh.masked.to(dt), valid)
-        metrics["corr/truncated_frac"] = masked_mean(beh.truncated.to(dt), valid)
-        has_tok = (
-            valid.new_zeros(inputs.num_seqs, dtype=torch.int64).index_add(
-                0, inputs.seq_ids, valid.long()
-            )
-            > 0
-        )
-        metrics["corr/seq_dropped_frac"] = masked_mean(beh.seq_dropped.to(dt), has_tok)
-        # ESS is scale-free: divide by max w first, so (Σw)² and Σw² stay finite in float32
-        wn = w / w.amax().clamp_min(1e-30) if w.numel() else w
-        metrics["corr/ess"] = wn.sum() ** 2 / (n_valid * (wn * wn).sum()).clamp_min(1e-30)
-        # the ±clamp zeroes the gradient of a token whose log-ratio is beyond it: count them
-        beyond = ((old - lq).abs() > clamp) | ((lp.detach() - old).abs() > clamp)
-        metrics["corr/clamped_tokens"] = (beyond & valid).sum()
-        metrics["corr/nonfinite_tokens"] = nonfinite
-        if inputs.entropy is not None:
-            ent_ok = valid & torch.isfinite(inputs.entropy)
-            metrics["policy/entropy"] = masked_mean(
-                _zeros_where(ent_ok, inputs.entropy.detach().to(dt)), ent_ok
-            )
+        metrics.update(_correction_metrics(inputs, valid, beh, clipped, lp.detach(), old, lq, clamp))
     return loss, drop_empty_splits(to_floats(metrics))
+
+
+def _checked_denominator(inputs: LossInputs, cfg: LossConfig, denom: float | Tensor) -> float:
+    """``denom`` as a float, after the input and candidate-kind checks; ``ValueError`` if any fails."""
+    inputs.validate()
+    if cfg.score_centering and inputs.cand_kind == "none":
+        raise ValueError(
+            "score_centering=True needs candidates of q, but LossInputs.cand_kind is 'none'"
+        )
+    if cfg.support_replay and inputs.cand_kind != "support":
+        raise ValueError(f"support_replay=True needs cand_kind 'support', got {inputs.cand_kind!r}")
+    d_val = float(denom)  # one host sync when D arrives as a tensor
+    if not math.isfinite(d_val) or d_val < 0:
+        raise ValueError(f"denom must be a finite number >= 0, got {d_val}")
+    return d_val
+
+
+def _valid_tokens(inputs: LossInputs) -> tuple[Tensor, Tensor | None]:
+    """Loss tokens whose log-probs, advantage (and candidates) are all finite; candidate validity."""
+    valid = inputs.loss_mask.clone()  # [N]
+    for t in (inputs.trainer_logprobs, inputs.old_logprobs, inputs.sampler_logprobs, inputs.advantages):
+        valid &= torch.isfinite(t.detach())
+    cand_ok = None
+    if inputs.has_candidates:
+        assert inputs.cand_offsets is not None and inputs.cand_trainer_logprobs is not None
+        assert inputs.cand_old_logprobs is not None and inputs.cand_sampler_logprobs is not None
+        cand_ok, pos_ok = candidate_validity(
+            inputs.cand_offsets,
+            inputs.cand_trainer_logprobs.detach(),
+            inputs.cand_old_logprobs,
+            inputs.cand_sampler_logprobs,
+        )  # [K], [N]
+        valid &= pos_ok
+    return valid, cand_ok
+
+
+def _correction_metrics(inputs: LossInputs, valid: Tensor, beh: Behaviour, clipped: Tensor, lp: Tensor,
+                        old: Tensor, lq: Tensor, clamp: float) -> dict[str, Tensor]:
+    """The policy/ and corr/ metrics of one batch (no gradient); ``lp`` detached, all [N]."""
+    dt = lp.dtype
+    metrics: dict[str, Tensor] = {}
+    w = beh.weight * valid.to(dt)  # [N] final behaviour weights
+    n_valid = valid.sum().clamp_min(1)
+    metrics["policy/tv"] = masked_mean(
+        0.5 * (1.0 - torch.exp(clamp_log(lp.detach() - old, clamp))).abs(), valid
+    )
+    metrics["policy/clip_frac"] = masked_mean(clipped.to(dt), valid)
+    metrics["corr/masked_frac"] = masked_mean(beh.masked.to(dt), valid)
+    metrics["corr/truncated_frac"] = masked_mean(beh.truncated.to(dt), valid)
+    has_tok = (
+        valid.new_zeros(inputs.num_seqs, dtype=torch.int64).index_add(
+            0, inputs.seq_ids, valid.long()
+        )
+        > 0
+    )
+    metrics["corr/seq_dropped_frac"] = masked_mean(beh.seq_dropped.to(dt), has_tok)
+    # ESS is scale-free: divide by max w first, so (Σw)² and Σw² stay finite in float32
+    wn = w / w.amax().clamp_min(1e-30) if w.numel() else w
+    metrics["corr/ess"] = wn.sum() ** 2 / (n_valid * (wn * wn).sum()).clamp_min(1e-30)
+    # the ±clamp zeroes the gradient of a token whose log-ratio is beyond it: count them
+    beyond = ((old - lq).abs() > clamp) | ((lp.detach() - old).abs() > clamp)
+    metrics["corr/clamped_tokens"] = (beyond & valid).sum()
+    metrics["corr/nonfinite_tokens"] = (inputs.loss_mask & ~valid).sum()
+    if inputs.entropy is not None:
+        ent_ok = valid & torch.isfinite(inputs.entropy)
+        metrics["policy/entropy"] = masked_mean(
+            _zeros_where(ent_ok, inputs.entropy.detach().to(dt)), ent_ok
+        )
+    return metrics

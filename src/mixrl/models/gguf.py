@@ -42,7 +42,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from mixrl.config.run import ConfigError
+from mixrl.config import ConfigError
 
 PKG = "pkg:"
 MAGIC = b"GGUF"

@@ -31,7 +31,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mixrl.config.run import ConfigError
+from mixrl.config import ConfigError
 
 BUNDLED = "bundled"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")

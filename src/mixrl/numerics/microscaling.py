@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from mixrl.numerics._torchao import torchao_mx
 from mixrl.numerics.fp8 import GRIDS, finite_amax, round_to_grid
+from mixrl.numerics.torchao_ref import torchao_mx
 
 _TINY = torch.finfo(torch.float32).tiny
 

@@ -116,7 +116,7 @@ def study_table(path: Path | None) -> dict[str, Any]:
 
 def settings(args: argparse.Namespace) -> dict[str, object]:
     """The budget with the command line's overrides; bad values raise ConfigError."""
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
 
     budget = getattr(args, "budget", None) or "default"
     b = dict(BUDGETS[budget])
@@ -159,7 +159,7 @@ def split_fleet(name: str) -> tuple[str, str]:
 
 
 def _arm_config(base, arm: str, fleet: str, seed: int, run_dir: Path, b: dict, first: bool):  # type: ignore[no-untyped-def]
-    from mixrl.config import run as runcfg
+    import mixrl.config as runcfg
     from mixrl.config.presets import PRESETS
 
     preset = PRESETS[arm]
@@ -193,7 +193,7 @@ def _arm_config(base, arm: str, fleet: str, seed: int, run_dir: Path, b: dict, f
 def base_config(args: argparse.Namespace, b: dict[str, object]):  # type: ignore[no-untyped-def]
     """The run config shared by every run: the file less its ``[study]`` table, the real
     model's settings (budget real), then ``--set``."""
-    from mixrl.config import run as runcfg
+    import mixrl.config as runcfg
 
     path = Path(args.config or default_config_path())
     try:
@@ -211,7 +211,7 @@ def base_config(args: argparse.Namespace, b: dict[str, object]):  # type: ignore
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str, Path]]:
     """Write ``OUT/configs/<fleet>/<arm>/seed<s>.toml`` for each run; return (fleet, arm, run_dir)."""
-    from mixrl.config import run as runcfg
+    import mixrl.config as runcfg
     from mixrl.config.presets import PRESETS
 
     b = settings(args)
@@ -247,7 +247,7 @@ def _cpu_overrides(mixed) -> dict:  # type: ignore[no-untyped-def]
 def single_profile_fleet(mixed, profile: str):  # type: ignore[no-untyped-def]
     """One group of ``profile`` with the mixed fleet's total replicas (and its CPU overrides,
     except for a profile that sets its own compute dtype on purpose: ``fp32``, ``fp16``)."""
-    from mixrl.config.run import FleetConfig, GroupConfig
+    from mixrl.config import FleetConfig, GroupConfig
 
     n = sum(g.replicas for g in mixed.groups)
     overrides = {} if profile in ("fp32", "fp16") else _cpu_overrides(mixed)
@@ -273,7 +273,7 @@ def cpu_has_bf16() -> bool:
 
 def stress_fleet(mixed):  # type: ignore[no-untyped-def]
     """One replica of each ``STRESS_PROFILES`` group: BF16 compute where the CPU has it."""
-    from mixrl.config.run import FleetConfig, GroupConfig
+    from mixrl.config import FleetConfig, GroupConfig
 
     overrides = {} if cpu_has_bf16() else {"compute_dtype": "float32"}
     groups = [GroupConfig(name=p, profile=p, replicas=1, min_replicas=1, max_replicas=2,
@@ -287,7 +287,7 @@ SAVED = ("budget", "arms", "fleets", "modes", "seeds", "steps", "eval_tasks", "e
 
 def _restore(args: argparse.Namespace) -> None:
     """``--resume OUT``: the settings the study in OUT was started with (``OUT/study.json``)."""
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
 
     f = Path(args.resume) / "study.json"
     if not f.exists():
@@ -339,7 +339,7 @@ def _calibrate(args: argparse.Namespace, steps: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
 
     if args.recompute is not None:
         from mixrl.observe import design

@@ -53,6 +53,18 @@ def _tokenizer_for(path: Path) -> Any:
         return tok
 
 
+def _chat_format(path: Path, chat_template: str | None) -> Any:
+    """The checkpoint's chat format; ``chat_template`` (a Jinja file) replaces the tokenizer's own."""
+    from mixrl.envs.chat import ChatFormat
+
+    tok = _tokenizer_for(path)
+    if chat_template:
+        from mixrl.models.loading import read_chat_template
+
+        tok.chat_template = read_chat_template(chat_template)
+    return ChatFormat(tok)
+
+
 def weights_digest(path: Path) -> str | None:
     """The policy's digest: ``recipe.json``'s (the bundled policy), else sha256 of its
     safetensors files (None when they are over 2 GiB: not worth reading twice)."""
@@ -109,6 +121,26 @@ def summarize(by_task: dict[str, list[Any]], k: int) -> dict[str, Any]:
     }
 
 
+def results(trajs: list[Any], family: dict[str, str], k: int) -> dict[str, Any]:
+    """``summarize`` of all trajectories, the reasons of unrewarded samples, and ``per_family``
+    (``family``: prompt id -> task family)."""
+    from mixrl.rollout.types import UNREWARDED
+
+    by_task: dict[str, list[Any]] = defaultdict(list)
+    for tr in trajs:
+        by_task[tr.prompt_id].append(tr)
+    res = summarize(by_task, k)
+    errors = Counter(str(tr.info.get("error", "no reason recorded")) for tr in trajs if tr.status in UNREWARDED)
+    if errors:
+        # Samples without a reward are left out of pass@k; their reasons must not be lost with them.
+        res["errors"] = dict(errors.most_common(5))
+        log.warning("evaluation: %d of %d samples have no reward; most common reasons: %s",
+                    sum(errors.values()), len(trajs), res["errors"])
+    fams = sorted(set(family.values()))
+    res["per_family"] = {f: summarize({p: v for p, v in by_task.items() if family[p] == f}, k) for f in fams}
+    return res
+
+
 def evaluate(
     model_path: str | Path = "bundled",
     k: int = 4,
@@ -136,11 +168,9 @@ def evaluate(
     ``env_options`` go to ``make_env`` (they override ``max_turns``);
     ``chat_template`` (a Jinja file) replaces the tokenizer's own.
     """
-    from mixrl.envs.chat import ChatFormat
     from mixrl.envs.registry import make_env, make_task_source
     from mixrl.models.policy import resolve
     from mixrl.rollout.session import run_episode
-    from mixrl.rollout.types import UNREWARDED
     from mixrl.sampling.base import SamplingParams
     from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
@@ -153,12 +183,7 @@ def evaluate(
     prof = profile or PRECISIONS[precision]
     t0 = time.perf_counter()
     path = resolve(model_path)
-    tok = _tokenizer_for(path)
-    if chat_template:
-        from mixrl.models.loading import read_chat_template
-
-        tok.chat_template = read_chat_template(chat_template)
-    chat = ChatFormat(tok)
+    chat = _chat_format(path, chat_template)
     src = make_task_source(task, "heldout", seed)
     n_tasks = len(src) if n_tasks is None else n_tasks
     if not 1 <= n_tasks <= len(src):
@@ -187,21 +212,7 @@ def evaluate(
         finally:
             await sampler.close()
 
-    trajs = asyncio.run(run_all())
-    by_task: dict[str, list[Any]] = defaultdict(list)
-    for tr in trajs:
-        by_task[tr.prompt_id].append(tr)
-    family = {t.prompt_id: t.family for t in tasks}
-
-    res = summarize(by_task, k)
-    errors = Counter(str(tr.info.get("error", "no reason recorded")) for tr in trajs if tr.status in UNREWARDED)
-    if errors:
-        # Samples without a reward are left out of pass@k; their reasons must not be lost with them.
-        res["errors"] = dict(errors.most_common(5))
-        log.warning("evaluation: %d of %d samples have no reward; most common reasons: %s",
-                    sum(errors.values()), len(trajs), res["errors"])
-    fams = sorted(set(family.values()))
-    res["per_family"] = {f: summarize({p: v for p, v in by_task.items() if family[p] == f}, k) for f in fams}
+    res = results(asyncio.run(run_all()), {t.prompt_id: t.family for t in tasks}, k)
     import torch
 
     res.update({"n": n, "k": k, "task": task, "model": str(path), "weights_sha256": weights_digest(path),

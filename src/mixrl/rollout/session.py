@@ -56,7 +56,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 from mixrl.envs.base import Env, StepResult
 from mixrl.rollout.types import Trajectory
@@ -157,104 +156,138 @@ async def run_episode(
     (see "Interruptible turns" in the module docstring)."""
     if max_total_tokens < 1:
         raise ValueError(f"run_episode: max_total_tokens must be >= 1, got {max_total_tokens}")
-    stop = tuple(dict.fromkeys(tuple(params.stop_ids) + tuple(getattr(env, "stop_ids", ()))))
     t_start = time.perf_counter()
-    traj = Trajectory(prompt_id=prompt_id, sample_idx=sample_idx, task=env.task.family)
-    traj.info["finish_reasons"] = []
-    timings = {"generate_s": 0.0, "env_s": 0.0}
+    ep = _Episode(env, generate, params, max_total_tokens, chunk_tokens,
+                  Trajectory(prompt_id=prompt_id, sample_idx=sample_idx, task=env.task.family))
     try:
-        partial = 0
         if resume is not None and resume.info.get("done"):
             return resume
-        t0 = time.perf_counter()
-        if resume is None:
-            traj.append_env(await env.reset())
-        else:
-            traj, partial, final = await _replay(env, resume, stop)
-            traj.prompt_id, traj.sample_idx = prompt_id, sample_idx
-            if final is not None:
-                return _finish(traj, final.status or "ok", final.reward, final.info.get("error", ""))
-        timings["env_s"] += time.perf_counter() - t0
-        reasons: list[str] = traj.info["finish_reasons"]
+        partial = await ep.start(resume)
         while True:
-            room = max_total_tokens - len(traj.tokens)
-            if room <= 0:
-                return _finish(traj, "truncated", 0.0)
-            want = params.max_new_tokens - partial
-            turn_start = len(traj.tokens) - partial
-            if want <= 0:  # a resumed partial turn already used its whole turn limit
-                finish = "length"
-            else:
-                max_new = min(want, room)
-                piece = min(max_new, chunk_tokens) if chunk_tokens > 0 else max_new
-                req = GenerationRequest(
-                    prompt_ids=list(traj.tokens),
-                    params=dataclasses.replace(params, max_new_tokens=piece, stop_ids=stop),
-                    request_id=piece_id(f"{prompt_id}/{sample_idx}/{len(reasons)}", partial, piece < max_new)
-                    if chunk_tokens > 0 else f"{prompt_id}/{sample_idx}/{len(reasons)}",
-                )
-                t0 = time.perf_counter()
-                try:
-                    res = await generate(req)
-                except Exception as e:  # retries exhausted upstream: our failure, not the model's
-                    return _finish(traj, "infra_failed", None, f"generate raised {type(e).__name__}: {e}")
-                timings["generate_s"] += time.perf_counter() - t0
-                if res.finish_reason in SAMPLER_FAILURES:
-                    traj.num_nonfinite += res.num_nonfinite
-                    msg = f"sampler finish_reason={res.finish_reason} group={res.group!r}: {res.error}"
-                    return _finish(traj, "infra_failed", None, msg)
-                n = len(res.token_ids)
-                if not 1 <= n <= piece:
-                    return _finish(traj, "infra_failed", None, f"sampler returned {n} tokens (limit {piece})")
-                traj.append_generated(res, req.params)  # the trainer uses these params, not the run-wide ones
-                finish = res.finish_reason
-                if piece_cut(req, res):  # a piece of a longer turn: continue it (maybe under new weights)
-                    partial += n
-                    continue
-                if finish == "length" and max_new < want:
-                    return _finish(traj, "truncated", 0.0)  # cut by the total budget, not the turn limit
-            turn = traj.tokens[turn_start:]
+            turn_start = len(ep.traj.tokens) - partial
+            finish = await ep.generate_turn(partial)
             partial = 0
-            reasons.append(finish)
-            traj.turns = len(reasons)
-            t0 = time.perf_counter()
-            try:
-                step = await env.step(turn, finish)
-            except Exception as e:  # an env bug is ours, never the model's
-                return _finish(traj, "infra_failed", None, f"env.step raised {type(e).__name__}: {e}")
-            timings["env_s"] += time.perf_counter() - t0
-            traj.num_malformed += int(step.malformed)
-            if step.info:
-                traj.info.setdefault("env", []).append(step.info)
-            if step.done:
-                if step.tokens and len(traj.tokens) + len(step.tokens) <= max_total_tokens:
-                    traj.append_env(step.tokens)
-                return _finish(traj, step.status or "ok", step.reward, step.info.get("error", ""))
-            if len(traj.tokens) + len(step.tokens) >= max_total_tokens:
-                return _finish(traj, "truncated", 0.0)  # no room left for another reply
-            traj.append_env(step.tokens)
+            await ep.answer_turn(turn_start, finish)
+    except _Ended as e:
+        return _finish(ep.traj, e.status, e.reward, e.error)
     except _InfraError as e:
-        return _finish(traj, "infra_failed", None, str(e))
+        return _finish(ep.traj, "infra_failed", None, str(e))
     except Exception as e:  # env.reset or replay failed: ours
-        return _finish(traj, "infra_failed", None, f"{type(e).__name__}: {e}")
+        return _finish(ep.traj, "infra_failed", None, f"{type(e).__name__}: {e}")
     finally:
-        timings["total_s"] = time.perf_counter() - t_start
-        for k, v in timings.items():
-            traj.timings[k] = traj.timings.get(k, 0.0) + v
+        ep.timings["total_s"] = time.perf_counter() - t_start
+        for k, v in ep.timings.items():
+            ep.traj.timings[k] = ep.traj.timings.get(k, 0.0) + v
         try:
             await env.close()
         except Exception as e:  # a close failure does not change the episode's outcome
-            traj.info["close_error"] = f"{type(e).__name__}: {e}"
+            ep.traj.info["close_error"] = f"{type(e).__name__}: {e}"
 
 
-def episode_summary(traj: Trajectory) -> dict[str, Any]:
-    """A small dict for logs."""
-    return {
-        "prompt_id": traj.prompt_id,
-        "sample_idx": traj.sample_idx,
-        "status": traj.status,
-        "reward": traj.reward,
-        "turns": traj.turns,
-        "num_generated": traj.num_generated,
-        "len": len(traj.tokens),
-    }
+class _Ended(Exception):
+    """The episode is over with this status, reward and error (``_finish``'s arguments)."""
+
+    def __init__(self, status: str, reward: float | None, error: str = "") -> None:
+        super().__init__(status)
+        self.status, self.reward, self.error = status, reward, error
+
+
+class _Episode:
+    """One episode between its turns: the trajectory so far, the stop ids, the timers.
+
+    ``generate_turn`` asks the sampler for one assistant turn (in pieces when
+    ``chunk_tokens > 0``); ``answer_turn`` gives it to the env and appends the env's
+    tokens. Either raises ``_Ended`` when the episode is over.
+    """
+
+    def __init__(self, env: Env, generate: Generate, params: SamplingParams, max_total_tokens: int,
+                 chunk_tokens: int, traj: Trajectory) -> None:
+        self.env, self.generate, self.params = env, generate, params
+        self.max_total_tokens, self.chunk_tokens = max_total_tokens, chunk_tokens
+        self.stop = tuple(dict.fromkeys(tuple(params.stop_ids) + tuple(getattr(env, "stop_ids", ()))))
+        self.traj = traj
+        traj.info["finish_reasons"] = []
+        self.timings = {"generate_s": 0.0, "env_s": 0.0}
+
+    async def start(self, resume: Trajectory | None) -> int:
+        """Reset the env (replaying ``resume``'s turns); the length of an unfinished last turn."""
+        t0 = time.perf_counter()
+        if resume is None:
+            self.traj.append_env(await self.env.reset())
+            partial = 0
+        else:
+            traj, partial, final = await _replay(self.env, resume, self.stop)
+            traj.prompt_id, traj.sample_idx = self.traj.prompt_id, self.traj.sample_idx
+            self.traj = traj
+            if final is not None:
+                raise _Ended(final.status or "ok", final.reward, final.info.get("error", ""))
+        self.timings["env_s"] += time.perf_counter() - t0
+        return partial
+
+    async def generate_turn(self, partial: int) -> str:
+        """Generate the rest of a turn that has ``partial`` tokens; its finish reason."""
+        traj = self.traj
+        while True:
+            room = self.max_total_tokens - len(traj.tokens)
+            if room <= 0:
+                raise _Ended("truncated", 0.0)
+            want = self.params.max_new_tokens - partial
+            if want <= 0:  # a resumed partial turn already used its whole turn limit
+                return "length"
+            max_new = min(want, room)
+            piece = min(max_new, self.chunk_tokens) if self.chunk_tokens > 0 else max_new
+            turn_id = f"{traj.prompt_id}/{traj.sample_idx}/{len(traj.info['finish_reasons'])}"
+            req = GenerationRequest(
+                prompt_ids=list(traj.tokens),
+                params=dataclasses.replace(self.params, max_new_tokens=piece, stop_ids=self.stop),
+                request_id=piece_id(turn_id, partial, piece < max_new) if self.chunk_tokens > 0 else turn_id,
+            )
+            res = await self._sample(req)
+            traj.append_generated(res, req.params)  # the trainer uses these params, not the run-wide ones
+            if piece_cut(req, res):  # a piece of a longer turn: continue it (maybe under new weights)
+                partial += len(res.token_ids)
+                continue
+            if res.finish_reason == "length" and max_new < want:
+                raise _Ended("truncated", 0.0)  # cut by the total budget, not the turn limit
+            return res.finish_reason
+
+    async def _sample(self, req: GenerationRequest) -> GenerationResult:
+        """One request's result; a failed or malformed one ends the episode as ``infra_failed``."""
+        t0 = time.perf_counter()
+        try:
+            res = await self.generate(req)
+        except Exception as e:  # retries exhausted upstream: our failure, not the model's
+            raise _Ended("infra_failed", None, f"generate raised {type(e).__name__}: {e}") from None
+        self.timings["generate_s"] += time.perf_counter() - t0
+        if res.finish_reason in SAMPLER_FAILURES:
+            self.traj.num_nonfinite += res.num_nonfinite
+            raise _Ended("infra_failed", None,
+                         f"sampler finish_reason={res.finish_reason} group={res.group!r}: {res.error}")
+        n, limit = len(res.token_ids), req.params.max_new_tokens
+        if not 1 <= n <= limit:
+            raise _Ended("infra_failed", None, f"sampler returned {n} tokens (limit {limit})")
+        return res
+
+    async def answer_turn(self, turn_start: int, finish: str) -> None:
+        """Step the env with the turn that starts at ``turn_start``; append its answer."""
+        traj = self.traj
+        reasons: list[str] = traj.info["finish_reasons"]
+        reasons.append(finish)
+        traj.turns = len(reasons)
+        t0 = time.perf_counter()
+        try:
+            step = await self.env.step(traj.tokens[turn_start:], finish)
+        except Exception as e:  # an env bug is ours, never the model's
+            raise _Ended("infra_failed", None, f"env.step raised {type(e).__name__}: {e}") from None
+        self.timings["env_s"] += time.perf_counter() - t0
+        traj.num_malformed += int(step.malformed)
+        if step.info:
+            traj.info.setdefault("env", []).append(step.info)
+        total = len(traj.tokens) + len(step.tokens)
+        if step.done:
+            if step.tokens and total <= self.max_total_tokens:
+                traj.append_env(step.tokens)
+            raise _Ended(step.status or "ok", step.reward, step.info.get("error", ""))
+        if total >= self.max_total_tokens:
+            raise _Ended("truncated", 0.0)  # no room left for another reply
+        traj.append_env(step.tokens)

@@ -47,8 +47,8 @@ async def save(orch: Orchestrator) -> Path | None:
         "buffer": orch.buffer.state_dict(),
         "inflight": orch.sessions.partials(),
         "router": orch.fleet.router.state_dict(),
-        "cost": orch.cost.state_dict() if orch.cost is not None else None,
-        "monitor": orch.monitor.state_dict() if orch.monitor is not None else None,
+        "cost": orch.cost.state_dict(),
+        "monitor": orch.monitor.state_dict(),
         "timers": dict(orch.timers),
         "samples": orch.samples,
     }
@@ -85,10 +85,8 @@ def restore(orch: Orchestrator, payload: dict[str, Any]) -> None:
     orch.task_source.load_state_dict(payload["task_source"])
     orch.buffer.load_state_dict(payload["buffer"])
     orch.fleet.router.load_state_dict(payload["router"])
-    if orch.cost is not None and payload.get("cost") is not None:
-        orch.cost.load_state_dict(payload["cost"])
-    if orch.monitor is not None and payload.get("monitor") is not None:
-        orch.monitor.load_state_dict(payload["monitor"])
+    orch.cost.load_state_dict(payload["cost"])
+    orch.monitor.load_state_dict(payload["monitor"])
     orch.timers.update(payload.get("timers", {}))
     orch.samples = int(payload.get("samples", 0))
     partials: dict[str, dict[int, Trajectory]] = {}

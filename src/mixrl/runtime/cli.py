@@ -35,7 +35,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     parser.add_argument("--resume", metavar="RUN_DIR", default=None, help="continue the run in RUN_DIR")
     parser.add_argument("--overwrite", action="store_true", help="replace what is in the run directory")
-    parser.add_argument("--backend", choices=("embedded", "inprocess", "ray"), default=None, help="override runtime.backend")
+    parser.add_argument("--backend", choices=("embedded", "ray"), default=None, help="override runtime.backend")
     parser.add_argument("--no-eval", action="store_true", help="skip the final held-out evaluation")
     parser.add_argument("--json", action="store_true", help="print the final summary as one JSON object")
 
@@ -97,7 +97,7 @@ def _print_safely(text: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mixrl.config.run import ConfigError, load_config, to_toml
+    from mixrl.config import ConfigError, load_config, to_toml
     from mixrl.runtime.quiet import silence_libraries
 
     silence_libraries()
@@ -149,7 +149,7 @@ def _train(cfg: Any, args: argparse.Namespace, run_dir: Path) -> int:
     import logging
     import traceback
 
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
     from mixrl.data import DataError
     from mixrl.envs.rewards import RewardError
     from mixrl.observe.sinks import SinkUnavailable

@@ -42,7 +42,7 @@ def main(args: argparse.Namespace) -> int:
     path = _run_config(args)
     if path is None:
         return int(ev.main(args) or 0)
-    from mixrl.config.run import ConfigError, load_config
+    from mixrl.config import ConfigError, load_config
     from mixrl.data import DataError
     from mixrl.envs.registry import activate
     from mixrl.envs.rewards import RewardError

@@ -12,7 +12,7 @@ import glob
 import shutil
 from typing import Any
 
-from mixrl.config.run import ConfigError
+from mixrl.config import ConfigError
 
 DEVICE_GLOB = "/dev/nvidia[0-9]*"
 INSTALL_HINT = "see README, section GPU, for the install command"

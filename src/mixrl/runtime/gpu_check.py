@@ -89,7 +89,7 @@ def synthetic_batch(vocab: int, cand_kind: str, n: int, seed: int) -> tuple[list
 
 
 def base_config(model: str, run_dir: Path, **sections: Any) -> Any:
-    from mixrl.config.run import build_config
+    from mixrl.config import build_config
 
     tree: dict[str, Any] = {"model": {"path": model}, "optim": {"lr": 1e-3, "packing": False},
                             "observe": {"run_dir": str(run_dir), "progress": False, "tensorboard": False}}

@@ -38,11 +38,13 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from mixrl.config.run import Derived, RunConfig
+from mixrl.config import Derived, RunConfig
 from mixrl.envs.base import Task
 from mixrl.fleet.autoscaler import Autoscaler
+from mixrl.fleet.cost import CostModel
 from mixrl.fleet.fleet import Fleet, GroupSpec
 from mixrl.fleet.weights import WeightStore
+from mixrl.observe.monitor import CollapseMonitor
 from mixrl.rollout.advantages import batch_advantages
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.runtime import episodes
@@ -160,8 +162,8 @@ class Orchestrator:
             on_complete=self._on_complete, chunk_tokens=cfg.rollout.interrupt_tokens,
             check=(self._screen["vocab_size"], self._screen["cand_kind"]),
         )
-        self.cost = _cost_model(self.profiles)
-        self.monitor = _monitor()
+        self.cost = CostModel.from_profiles(self.profiles)
+        self.monitor = CollapseMonitor()
         if self.resume is not None:
             from mixrl.runtime.checkpointing import restore
 
@@ -265,7 +267,7 @@ class Orchestrator:
                 self._cpu.poll()  # a replica that dies later counts up to here at least
                 if self.sinks is not None and hasattr(self.sinks, "batch"):
                     self.sinks.batch(self.step, version, groups)
-                if self.cfg.observe.stop_on_collapse and self.monitor is not None and self.monitor.collapsed:
+                if self.cfg.observe.stop_on_collapse and self.monitor.collapsed:
                     print(f"collapse flagged at step {self.monitor.first_collapse_step} "
                           "(observe.stop_on_collapse): stopping")
                     break
@@ -305,7 +307,7 @@ class Orchestrator:
             "perf/samples_per_s": self.samples / max(elapsed, 1e-9),
             "perf/trainer_idle_frac": self.timers["wait_s"] / max(elapsed, 1e-9),
         }
-        cost = self.cost.update(episodes.tokens_by_group(trajs)) if self.cost is not None else {}
+        cost = self.cost.update(episodes.tokens_by_group(trajs))
         return merge_metrics([
             ("trainer", tmetrics), ("buffer", bmetrics), ("advantages", astats),
             ("episodes", episodes.rollout_metrics(trajs, [g.name for g in self.cfg.fleet.groups])),
@@ -316,10 +318,9 @@ class Orchestrator:
         self.history.append(m)
         if self.sinks is not None:
             self.sinks.write(self.step, elapsed, m)
-        if self.monitor is not None:
-            events = self.monitor.update(self.step, m)
-            if events and self.sinks is not None and hasattr(self.sinks, "events"):
-                self.sinks.events(events)
+        events = self.monitor.update(self.step, m)
+        if events and self.sinks is not None and hasattr(self.sinks, "events"):
+            self.sinks.events(events)
         if self.progress is not None:
             self.progress.update(self.step, m, elapsed)
 
@@ -341,7 +342,7 @@ class Orchestrator:
             "timers": dict(self.timers),
             "fleet": self.fleet.metrics(),
             "cpu": self._cpu_summary(),
-            "collapse": self.monitor.summary() if self.monitor is not None else None,
+            "collapse": self.monitor.summary(),
         }
 
     def _cpu_summary(self) -> dict[str, float | None]:
@@ -356,15 +357,6 @@ class Orchestrator:
         await self.trainer.close()
 
 
-def _cost_model(profiles: dict[str, Any]) -> Any:
-    try:
-        from mixrl.fleet.cost import CostModel
-    except ImportError as e:  # optional component
-        print(f"warning: cost model unavailable ({e}); cost/* metrics are skipped")
-        return None
-    return CostModel.from_profiles(profiles)
-
-
 def _screening(model_path: str, loss_cfg: Any, cfg: RunConfig) -> dict[str, Any]:
     """Keywords of ``rollout.advantages.batch_advantages`` for this run."""
     from transformers import AutoConfig
@@ -375,12 +367,3 @@ def _screening(model_path: str, loss_cfg: Any, cfg: RunConfig) -> dict[str, Any]
     vocab = int(AutoConfig.from_pretrained(model_path).vocab_size)
     return {"vocab_size": vocab, "cand_kind": needs(loss_cfg).cand_kind,
             "overlong": cfg.rollout.overlong, "budget": generation_budget(cfg)}
-
-
-def _monitor() -> Any:
-    try:
-        from mixrl.observe.monitor import CollapseMonitor
-    except ImportError as e:
-        print(f"warning: collapse monitor unavailable ({e}); collapse.jsonl is not written")
-        return None
-    return CollapseMonitor()

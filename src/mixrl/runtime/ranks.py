@@ -28,7 +28,7 @@ import time
 import traceback
 from typing import Any
 
-from mixrl.config.run import RunConfig
+from mixrl.config import RunConfig
 from mixrl.rollout.types import Trajectory
 from mixrl.runtime.handles import TrainerHandle
 

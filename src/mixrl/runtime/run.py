@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mixrl.config.run import Derived, RunConfig, derive, to_toml
+from mixrl.config import Derived, RunConfig, derive, to_toml
 from mixrl.runtime.heap import settled_heap
 
 
@@ -28,9 +28,9 @@ def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
     """The loss config (preset + overrides) and the derived sampling values."""
     from pydantic import ValidationError
 
+    from mixrl.config import ConfigError, format_errors
     from mixrl.config.loss import LossConfig
     from mixrl.config.presets import check_run, get_preset
-    from mixrl.config.run import ConfigError, format_errors
 
     try:
         preset = get_preset(cfg.loss.preset)
@@ -55,7 +55,7 @@ def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
 
 def group_profiles(cfg: RunConfig) -> dict[str, Any]:
     """Each fleet group's precision profile with its overrides applied; a bad one is a ``ConfigError``."""
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
     from mixrl.sampling.profiles import get_profile, with_overrides
 
     out = {}
@@ -77,9 +77,9 @@ def make_backend(cfg: RunConfig, model_path: str, loss_cfg: Any) -> Any:
         from mixrl.runtime.backends.ray_backend import RayBackend
 
         return RayBackend(cfg, model_path, loss_cfg)
-    from mixrl.runtime.backends.inprocess import InProcessBackend
+    from mixrl.runtime.backends.embedded import EmbeddedBackend
 
-    return InProcessBackend(cfg, model_path, loss_cfg)
+    return EmbeddedBackend(cfg, model_path, loss_cfg)
 
 
 class _RunSinks:
@@ -187,9 +187,8 @@ def train(
     """
     import torch
 
-    from mixrl.envs.registry import activate
+    from mixrl.models.loading import load_tokenizer
     from mixrl.runtime.checkpointing import load
-    from mixrl.runtime.inputs import check_unchanged, describe_inputs
     from mixrl.runtime.orchestrator import Orchestrator
     from mixrl.runtime.progress import ProgressBar
     from mixrl.runtime.quiet import quiet_loaded, silence_libraries
@@ -200,27 +199,7 @@ def train(
     payload = load(run_dir) if resume else None
     if resume and payload is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
-    activate(cfg)  # the dataset, reward functions and env options the sources and envs use
-    from mixrl.models.loading import check_model, load_tokenizer
-
-    model_path = str(check_model(cfg.model.path, cfg.model.chat_template))  # ConfigError before any run dir
-    from mixrl.sampling.support import (
-        check_fleet,  # an architecture an engine cannot run: refused now
-    )
-
-    check_fleet(model_path, group_profiles(cfg), routing_replay=resolve_loss(cfg)[0].routing_replay)
-    inputs = describe_inputs(cfg, model_path)
-    if payload is not None:
-        check_unchanged(run_dir, inputs)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    start_log(run_dir)
-    if payload is not None:
-        for name in ("metrics.jsonl", "batches.jsonl"):
-            _truncate_jsonl(run_dir / name, int(payload["step"]))
-    loss_cfg, derived = resolve_loss(cfg)
-    (run_dir / "config.toml").write_text(to_toml(cfg) + "\n")
-    (run_dir / "derived.json").write_text(json.dumps({**derived.__dict__, "model_path": model_path}, indent=2) + "\n")
-    (run_dir / "inputs.json").write_text(json.dumps(inputs, indent=2) + "\n")
+    model_path, loss_cfg, derived = prepare_run_dir(cfg, run_dir, payload)
     profiles = group_profiles(cfg)
     quiet_loaded()
     tokenizer = load_tokenizer(model_path, cfg.model.chat_template)
@@ -257,6 +236,40 @@ def train(
         sinks.close()
     orch = summary.pop("orchestrator")
     summary["wall_s"] = time.perf_counter() - t0
+    summary["history"] = orch.history
+    return conclude(cfg, summary, model_path, run_dir, evaluate)
+
+
+def prepare_run_dir(cfg: RunConfig, run_dir: Path, payload: dict[str, Any] | None) -> tuple[str, Any, Derived]:
+    """Check the model, fleet and (on resume) the inputs, then write the run directory's
+    config files; returns (model path, loss config, derived values)."""
+    from mixrl.envs.registry import activate
+    from mixrl.models.loading import check_model
+    from mixrl.runtime.inputs import check_unchanged, describe_inputs
+    from mixrl.sampling.support import check_fleet
+
+    activate(cfg)  # the dataset, reward functions and env options the sources and envs use
+    model_path = str(check_model(cfg.model.path, cfg.model.chat_template))  # ConfigError before any run dir
+    # an architecture an engine cannot run: refused now
+    check_fleet(model_path, group_profiles(cfg), routing_replay=resolve_loss(cfg)[0].routing_replay)
+    inputs = describe_inputs(cfg, model_path)
+    if payload is not None:
+        check_unchanged(run_dir, inputs)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start_log(run_dir)
+    if payload is not None:
+        for name in ("metrics.jsonl", "batches.jsonl"):
+            _truncate_jsonl(run_dir / name, int(payload["step"]))
+    loss_cfg, derived = resolve_loss(cfg)
+    (run_dir / "config.toml").write_text(to_toml(cfg) + "\n")
+    (run_dir / "derived.json").write_text(json.dumps({**derived.__dict__, "model_path": model_path}, indent=2) + "\n")
+    (run_dir / "inputs.json").write_text(json.dumps(inputs, indent=2) + "\n")
+    return model_path, loss_cfg, derived
+
+
+def conclude(cfg: RunConfig, summary: dict[str, Any], model_path: str, run_dir: Path,
+             evaluate: bool | None) -> dict[str, Any]:
+    """The held-out evaluation (unless off, interrupted or without held-out data) and ``summary.json``."""
     do_eval = cfg.runtime.eval.enabled if evaluate is None else evaluate
     if do_eval and cfg.data.train is not None and not (cfg.data.heldout or cfg.data.heldout_fraction):
         do_eval = False
@@ -264,7 +277,6 @@ def train(
     if do_eval and not summary["interrupted"]:
         summary["eval"] = run_eval(cfg, model_path, str(run_dir / "policy"))
         (run_dir / "eval.json").write_text(json.dumps(summary["eval"], indent=2) + "\n")
-    summary["history"] = orch.history
     (run_dir / "summary.json").write_text(
         json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2, default=float) + "\n"
     )
@@ -287,29 +299,10 @@ def run_eval(cfg: RunConfig, base_path: str, final_path: str) -> dict[str, Any]:
               temperature=cfg.rollout.temperature, env_options=dict(cfg.env.options),
               chat_template=cfg.model.chat_template)
     t0 = time.perf_counter()
-    out["final"] = _call_eval(evaluate, final_path, kw)
+    out["final"] = evaluate(final_path, **kw)
     if e.base:
-        out["base"] = _call_eval(evaluate, base_path, kw)
-        fk, bk = _score(out["final"], e.k), _score(out["base"], e.k)
-        if fk is not None and bk is not None:
-            out["gain"] = fk - bk
+        out["base"] = evaluate(base_path, **kw)
+        out["gain"] = out["final"][f"pass@{e.k}"] - out["base"][f"pass@{e.k}"]
     out["eval_s"] = time.perf_counter() - t0
     return out
 
-
-def _call_eval(evaluate: Any, path: str, kw: dict[str, Any]) -> dict[str, Any]:
-    """Call ``evaluate`` with the keywords it accepts."""
-    import inspect
-
-    params = inspect.signature(evaluate).parameters
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kw = {k: v for k, v in kw.items() if k in params}
-    return dict(evaluate(path, **kw))
-
-
-def _score(res: dict[str, Any], k: int) -> float | None:
-    for key in (f"pass@{k}", "pass_at_k", "score", "reward"):
-        v = res.get(key)
-        if isinstance(v, int | float):
-            return float(v)
-    return None

@@ -11,7 +11,7 @@ import random
 from pathlib import Path
 from typing import Any
 
-from mixrl.config.run import RunConfig
+from mixrl.config import RunConfig
 
 
 def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any, factory: Any = None, **extra: Any) -> tuple[Any, Any]:

@@ -159,7 +159,7 @@ def main(args: argparse.Namespace) -> int:
         if not value >= lo:
             print(f"mixrl serve: {flag} must be >= {lo:g}, got {value}", file=sys.stderr)
             return 2
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
     from mixrl.envs.chat import ChatFormat, ChatTemplateError
     from mixrl.models.loading import resolve_model
     from mixrl.sampling.profiles import get_profile

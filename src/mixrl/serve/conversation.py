@@ -155,7 +155,7 @@ def normalize(message: dict[str, Any]) -> tuple:
     return (message.get("role"), _text(message.get("content")).strip(), calls, message.get("tool_call_id") or "")
 
 
-def _for_template(messages: list[dict[str, Any]], contents: list[str]) -> list[dict[str, Any]]:
+def template_messages(messages: list[dict[str, Any]], contents: list[str]) -> list[dict[str, Any]]:
     """Copies of ``messages`` with each content replaced by a sentinel (collected in ``contents``)."""
     out = []
     for m in messages:
@@ -181,7 +181,7 @@ def render_ids(chat: ChatFormat, messages: list[dict[str, Any]], tools: list[Any
                frames: Frames | None = None) -> list[int]:
     """A whole conversation plus the assistant header (a new segment's prompt)."""
     contents: list[str] = []
-    msgs = _for_template(messages, contents)
+    msgs = template_messages(messages, contents)
     return (frames or Frames(chat, 0)).ids("prompt", msgs, tools, contents, lambda: _render(chat, msgs, tools))
 
 
@@ -189,7 +189,7 @@ def continuation_ids(chat: ChatFormat, new: list[dict[str, Any]], tools: list[An
                      frames: Frames | None = None) -> list[int]:
     """Ids of ``new`` messages after an assistant reply's end-of-turn token, plus the header."""
     contents: list[str] = []
-    msgs = _for_template(new, contents)
+    msgs = template_messages(new, contents)
 
     def render() -> str:
         history = [{"role": "user", "content": FILLER_USER}, {"role": "assistant", "content": FILLER_REPLY}]

@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mixrl.config.presets import HEAD_K  # what a run records at top_p = 1 (config.run.derive)
+from mixrl.config.presets import HEAD_K  # what a run records at top_p = 1 (config.schema.derive)
 from mixrl.envs.chat import ChatFormat
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams

@@ -101,9 +101,9 @@ class Sandbox:
             raise
 
     # -- running ------------------------------------------------------------------------
-    async def _exec(self, inner: list[str], binds: list[tuple[str, str, bool]], cwd: str, timeout: float,
-                    cap: int, stdin: bytes | None = None, watch_disk: bool = False) -> ExecResult:
-        """Run ``inner`` in a fresh sandbox; raises ``SandboxError`` if bwrap could not start it."""
+    async def _spawn(self, inner: list[str], binds: list[tuple[str, str, bool]], cwd: str,
+                     with_stdin: bool) -> tuple[asyncio.subprocess.Process, int]:
+        """Start bwrap in this sandbox's cgroup: (the process, the read end of bwrap's status pipe)."""
         self.fs.restore_work_mode()
         opts = bwrap_options(self.limits, binds, cwd)
         rfd, wfd = os.pipe()  # bwrap's JSON status (child pid, namespaces, exit code)
@@ -120,7 +120,7 @@ class Sandbox:
             # env={}: bwrap's init (pid 1 inside) keeps bwrap's environment, readable in /proc/1/environ.
             proc = await asyncio.create_subprocess_exec(
                 runtime().bwrap, "--args", str(args_r), *inner,
-                stdin=asyncio.subprocess.PIPE if stdin is not None else asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE if with_stdin else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
                 pass_fds=(wfd, args_r, sc_r), env={}, user=self.uid, group=self.uid,
                 extra_groups=[] if self.uid is not None else None)
@@ -141,6 +141,12 @@ class Sandbox:
             for fd in (wfd, args_r, sc_r, args_w, sc_w):
                 if fd != -1:
                     os.close(fd)
+        return proc, rfd
+
+    async def _exec(self, inner: list[str], binds: list[tuple[str, str, bool]], cwd: str, timeout: float,
+                    cap: int, stdin: bytes | None = None, watch_disk: bool = False) -> ExecResult:
+        """Run ``inner`` in a fresh sandbox; raises ``SandboxError`` if bwrap could not start it."""
+        proc, rfd = await self._spawn(inner, binds, cwd, stdin is not None)
         reaper.ACTIVE.add(proc.pid)
         kept = bytearray()
         total = 0

@@ -1,7 +1,7 @@
 """What an actor or worker reserves: placement-group bundles and the logical CPUs of a local
 Ray cluster; the GPU each embedded sampler worker takes and the memory check of one host.
 
-Ray-free arithmetic (``ray_backend`` turns bundles into placement groups; the embedded
+Ray-free arithmetic (the Ray backend turns bundles into placement groups; the embedded
 backend sets each worker's ``CUDA_VISIBLE_DEVICES`` from ``replica_device``).
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixrl.config.run import ConfigError, RunConfig
+from mixrl.config import ConfigError, RunConfig
 
 
 def bundle(num_cpus: float, num_gpus: float, memory_gb: float, accelerator_type: str | None) -> dict[str, float]:

@@ -168,7 +168,7 @@ class BuiltinEngine(Engine):
                 from mixrl.sampling.builtin.generic import GenericPath
 
                 self.path = GenericPath(hf, self.prec)
-            self._weights = self.path.build(hf.state_dict())
+            self.weights = self.path.build(hf.state_dict())
         del hf
         self.path_name = self.path.name
         # KV reuse (prefix_cache): a cohort's identical prompts prefilled once, sessions' KV kept
@@ -187,7 +187,7 @@ class BuiltinEngine(Engine):
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         with torch.inference_mode():
             w = self.path.build(state_dict)
-        self._weights, self.version = w, version  # a running batch keeps its own reference
+        self.weights, self.version = w, version  # a running batch keeps its own reference
         if self.kv_store is not None:
             self.kv_store.drop_older(version)
 

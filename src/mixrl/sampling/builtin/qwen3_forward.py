@@ -105,7 +105,7 @@ class Weights:
     sin: torch.Tensor  # [rope_len, D] with the first half negated (see _rope)
 
 
-def _clean(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def strip_wrapper_prefixes(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Strip wrapper prefixes (torch.compile, DDP) so trainer state dicts load as HF names."""
     out = {}
     for k, v in state_dict.items():
@@ -138,7 +138,7 @@ def build_weights(
     while this version serves; a mapped version is read-only), in as few copies as the layout
     allows: each is copied once, by the op that puts it in its final layout (fused GEMM weights:
     one ``cat`` of the parts' transposed views; norm weights: one cast-copy)."""
-    sd = _clean(state_dict)
+    sd = strip_wrapper_prefixes(state_dict)
     dt = prec.dtype
 
     def get(name: str) -> torch.Tensor:  # the source tensor in fp32, possibly not a copy
@@ -219,7 +219,7 @@ def _act(x: torch.Tensor, prec: Precision) -> torch.Tensor:
     return x if prec.act is None else prec.act(x)
 
 
-def _decode_attention(
+def decode_attention(
     q: torch.Tensor,  # [B, 1, Hq, D] one query per row, already scaled by D^-0.5
     k: torch.Tensor,  # [B, Hkv, S, D] cached keys (a prefix view of the cache)
     v: torch.Tensor,  # [B, Hkv, S, D]
@@ -269,8 +269,8 @@ def forward(
         qk = _rope(rms_norm(heads[:, :, : Hq + Hkv], L.qk_norm, shape.eps), cos, sin)
         q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], heads[:, :, Hq + Hkv :]  # [B, T, h, D]
         keys, vals = cache.write(li, col0, k.transpose(1, 2), v.transpose(1, 2))
-        if T == 1:  # decode: grouped heads share their kv head, no repeat (see _decode_attention)
-            a = _decode_attention(q, keys[:, :, :end], vals[:, :, :end], mask)  # [B, 1, Hq D]
+        if T == 1:  # decode: grouped heads share their kv head, no repeat (see decode_attention)
+            a = decode_attention(q, keys[:, :, :end], vals[:, :, :end], mask)  # [B, 1, Hq D]
         else:
             a = F.scaled_dot_product_attention(
                 q.transpose(1, 2), keys[:, :, :end], vals[:, :, :end],

@@ -87,7 +87,7 @@ class _Row:
 class Running:
     def __init__(self, engine: Any) -> None:
         self.e = engine
-        self.w, self.version = engine._weights, engine.version
+        self.w, self.version = engine.weights, engine.version
         self.pending: collections.deque[tuple[Any, GenerationRequest, int]] = collections.deque()
         self.rows: list[_Row] = []  # tensor row j -> its output
         self.batch: Any = None
@@ -103,7 +103,7 @@ class Running:
     def add(self, items: list[tuple[Any, GenerationRequest]]) -> list[tuple[Any, GenerationResult]]:
         """Queue requests (``key``: the caller's handle); bad ones fail here, at once."""
         e = self.e
-        if e._weights is not self.w:
+        if e.weights is not self.w:
             raise RuntimeError(f"this batch decodes version {self.version}; the engine has loaded {e.version}")
         failed = []
         for key, r in items:

@@ -157,6 +157,18 @@ def _torch_threads(n: int | None) -> Iterator[None]:
             torch.set_num_threads(before)
 
 
+def _check_limits(max_batch: int, num_threads: int | None, max_context: int | None, limit: int,
+                  gpu_memory_utilization: float | None) -> None:
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1, got {num_threads}")
+    if max_context is not None and not 2 <= max_context <= limit:
+        raise ValueError(f"max_context must be in [2, config.max_position_embeddings={limit}], got {max_context}")
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 0.95:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 0.95], got {gpu_memory_utilization}")
+
+
 class VLLMEngine(Engine):
     """vLLM engine for an HF checkpoint in one precision profile (see module doc).
 
@@ -189,17 +201,10 @@ class VLLMEngine(Engine):
         prefix_caching: bool = True,
         gpu_memory_utilization: float | None = None,
     ) -> None:
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if num_threads is not None and num_threads < 1:
-            raise ValueError(f"num_threads must be >= 1, got {num_threads}")
         model_path = str(model_path)
         shape = model_shape(model_path)
         limit = shape["max_positions"]
-        if max_context is not None and not 2 <= max_context <= limit:
-            raise ValueError(
-                f"max_context must be in [2, config.max_position_embeddings={limit}], got {max_context}"
-            )
+        _check_limits(max_batch, num_threads, max_context, limit, gpu_memory_utilization)
         self.platform = detect_platform()
         allow_amx(self.platform)
         self.graphs = self.platform.kind != "cpu"  # CUDA graphs captured (enforce_eager on CPU only)
@@ -219,8 +224,6 @@ class VLLMEngine(Engine):
         self.vocab, self.tied = shape["vocab"], shape["tied"]
         self.max_support_vocab = max_support_vocab
         self.prefix_caching = prefix_caching  # vLLM's automatic prefix caching, reset on every weights load
-        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 0.95:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 0.95], got {gpu_memory_utilization}")
         self.gpu_memory_utilization = gpu_memory_utilization
         self.eos_ids = eos_ids(model_path) if stop_on_eos else frozenset()
         self._names = checkpoint_names(model_path)
@@ -241,13 +244,18 @@ class VLLMEngine(Engine):
             kv_cache_bytes = min(4 << 30, max(16 << 20, need))
         self.version = 0  # the checkpoint at model_path; load_weights sets the trainer's versions
         self.last_update_s = 0.0
+        self._start_warm(vllm, kv_cache_bytes)
+
+    # ------------------------------------------------------------------ start-up
+    def _start_warm(self, vllm: Any, kv_cache_bytes: int | None) -> None:
+        """Start the LLM and run one request; any failure closes it and is a ``VLLMStartupError``."""
         try:
             self._llm = self._start(vllm, kv_cache_bytes)
             if self._round is not None:  # the first load kept full-precision weights: round them
-                self._reload_tensors(read_checkpoint(model_path))
+                self._reload_tensors(read_checkpoint(self.model_path))
             # The first generate pays seconds of lazy set-up: pay it here, before taking traffic.
             warm = vllm.SamplingParams(max_tokens=2, logprobs=1, seed=0, detokenize=False)
-            with _torch_threads(num_threads):
+            with _torch_threads(self.num_threads):
                 self._llm.generate([{"prompt_token_ids": [0]}], warm, use_tqdm=False)
         except Exception as e:
             self.close()
@@ -255,7 +263,6 @@ class VLLMEngine(Engine):
                 raise
             raise VLLMStartupError(self._start_failed(e)) from e
 
-    # ------------------------------------------------------------------ start-up
     def _start(self, vllm: Any, kv_cache_bytes: int | None) -> Any:
         import torch
 
@@ -340,15 +347,6 @@ class VLLMEngine(Engine):
             d = write_version_dir(root, version, state_dict, self.model_path)
             self._reload_path(str(d))
             prune_versions(root, keep=2)
-        self.version, self.last_update_s = version, time.perf_counter() - t0
-
-    def load_weights_from_dir(self, path: str, version: int) -> None:
-        """Reload from an HF directory (e.g. ``weights_dir/v{version}``) and take ``version``."""
-        if not isinstance(version, int) or version < 0:
-            raise ValueError(f"version must be an int >= 0, got {version!r}")
-        check_names(dict.fromkeys(checkpoint_names(path)), self._names, self.tied)
-        t0 = time.perf_counter()
-        self._reload_path(str(path))
         self.version, self.last_update_s = version, time.perf_counter() - t0
 
     def _reload_tensors(self, state_dict: Mapping[str, Any]) -> None:

@@ -12,8 +12,7 @@
 ``worker`` + ``process``) so sampling and training overlap on separate cores,
 or ``"thread"`` (``threads``), the replicas inside this process, for tests
 that need a fully reproducible schedule. Either way the orchestrator sees the
-same handles. ``runtime.backend = "inprocess"`` is the former name of this
-backend and selects it too.
+same handles.
 
 Each worker sets ``runtime.torch_threads`` torch threads. Replicas whose
 format can be pre-quantized (``formats.format_key``) run their engine with the
@@ -32,7 +31,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from mixrl.config.run import ConfigError, RunConfig
+from mixrl.config import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.runtime.backends.embedded.formats import format_key, quantizer, serving_profile
 from mixrl.runtime.backends.embedded.process import ProcessSampler

@@ -25,7 +25,7 @@ import math
 import threading
 from typing import Any
 
-from mixrl.config.run import RunConfig
+from mixrl.config import RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.fleet.shared_weights import SharedVersion, map_manifest
 from mixrl.rollout.types import Trajectory

@@ -86,169 +86,200 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
 
     settle_heap()  # full collections no longer walk torch's and the engine's start-up heap
     conn.send(("ready", 0, os.getpid()))
-    asyncio.run(_serve(conn, sampler, quant_profile))
+    asyncio.run(serve(conn, sampler, quant_profile))
 
 
-async def _serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
-    from mixrl.fleet.shared_weights import map_manifest, write_tensors
+class WorkerServer:
+    """Serves one pipe with one ``BatchingSampler`` (the message table is in the module docstring).
 
-    loop = asyncio.get_running_loop()
-    inbox: asyncio.Queue[Any] = asyncio.Queue()
-    send_lock = threading.Lock()
+    Generation requests join the running batch straight from the reader thread and their
+    results leave from the engine's thread (``join_threadsafe``): while a batch decodes,
+    the event loop sleeps, instead of waking for every message and every finished row
+    and trading the interpreter lock with the engine at each torch call. Anything else,
+    and requests no batch admits, go through the loop. A request sent after a load waits
+    behind it (through the loop) until that load has finished.
 
-    # Generation requests join the running batch straight from the reader thread and their
-    # results leave from the engine's thread (``join_threadsafe``): while a batch decodes,
-    # the event loop sleeps, instead of waking for every message and every finished row
-    # and trading the interpreter lock with the engine at each torch call. Anything else,
-    # and requests no batch admits, go through the loop. A request sent after a load waits
-    # behind it (through the loop) until that load has finished.
-    loads_sent = [0]  # written by the reader thread only
-    loads_done = [0]  # written by the loop only
-    # counts, each written by one thread: the reader's direct joins, the loop's requests, the sinks'
-    direct = {"requests": 0, "prompt_tokens": 0}
-    stats = {"requests": 0, "prompt_tokens": 0}
-    sunk = {"gen_tokens": 0}
+    Threads: ``read_pipe`` runs in the reader thread (with ``join_direct``), ``send_results``
+    in the engine's thread, every other method on the event loop. Each counter is written
+    by one thread only.
+    """
 
-    def sink(items: list[tuple[int, Any]]) -> None:
+    def __init__(self, conn: Any, sampler: Any, quant_profile: Any = None) -> None:
+        self.conn, self.sampler, self.quant_profile = conn, sampler, quant_profile
+        self.loop = asyncio.get_running_loop()
+        self.inbox: asyncio.Queue[Any] = asyncio.Queue()
+        self.send_lock = threading.Lock()
+        self.outbox: list[Any] = []  # replies of this loop iteration, sent together by ``flush``
+        self.loads_sent = 0  # the reader thread's
+        self.loads_done = 0  # the loop's
+        self.direct = {"requests": 0, "prompt_tokens": 0}  # the reader's direct joins
+        self.stats = {"requests": 0, "prompt_tokens": 0}  # the loop's requests
+        self.sunk = {"gen_tokens": 0}  # the engine thread's results
+        self.quantize: Any = None  # this format's per-tensor quantizer, made on first use
+
+    async def serve(self) -> None:
+        """Handle messages until ``stop`` (or the parent is gone), then close the sampler and the pipe."""
+        threading.Thread(target=self.read_pipe, name="mixrl-worker-reader", daemon=True).start()
+        tasks: set[asyncio.Task[None]] = set()
+        while True:
+            kind, rid, payload = await self.inbox.get()
+            if kind == "stop":
+                break
+            t = asyncio.ensure_future(self.handle(kind, rid, payload))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        for t in tasks:
+            t.cancel()
+        await self.sampler.close()
+        self.flush()
+        self.conn.close()
+
+    # ------------------------------------------------------------ reader thread
+    def read_pipe(self) -> None:
+        while True:
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):  # the parent is gone
+                msg = ("stop", 0, None)
+            if msg[0] == "many":  # the calls of one parent loop iteration: handed over together
+                rest = [m for m in msg[2] if not self.join_direct(m)]
+                if rest:
+                    self.loop.call_soon_threadsafe(self.enqueue, rest)
+                continue
+            if self.join_direct(msg):
+                continue
+            self.loop.call_soon_threadsafe(self.inbox.put_nowait, msg)
+            if msg[0] == "stop":
+                return
+
+    def join_direct(self, msg: Any) -> bool:
+        """True when ``msg`` is a request that joined the running batch from this thread."""
+        kind, rid, payload = msg
+        if kind == "load" or (kind == "quant" and len(payload) > 2 and payload[2] is not None):
+            self.loads_sent += 1
+        if (kind != "gen" or self.loads_sent != self.loads_done
+                or not self.sampler.join_threadsafe(payload, rid, self.send_results)):
+            return False
+        self.direct["requests"] += 1
+        self.direct["prompt_tokens"] += len(payload.prompt_ids)
+        return True
+
+    # ------------------------------------------------------------ engine thread
+    def send_results(self, items: list[tuple[int, Any]]) -> None:
         msgs = []
         for rid, r in items:
             if isinstance(r, BaseException):
                 msgs.append(("err", rid, f"{type(r).__name__}: {r}"))
             else:
-                sunk["gen_tokens"] += len(r.token_ids)
+                self.sunk["gen_tokens"] += len(r.token_ids)
                 msgs.append(("ok", rid, r))
-        with send_lock, contextlib.suppress(BrokenPipeError, OSError):  # parent gone: nobody to tell
-            conn.send(msgs[0] if len(msgs) == 1 else ("many", 0, msgs))
+        self._send(msgs)
 
-    def joined(msg: Any) -> bool:
-        kind, rid, payload = msg
-        if kind == "load" or (kind == "quant" and len(payload) > 2 and payload[2] is not None):
-            loads_sent[0] += 1
-        if kind != "gen" or loads_sent[0] != loads_done[0] or not sampler.join_threadsafe(payload, rid, sink):
-            return False
-        direct["requests"] += 1
-        direct["prompt_tokens"] += len(payload.prompt_ids)
-        return True
-
-    def reader() -> None:
-        while True:
-            try:
-                msg = conn.recv()
-            except (EOFError, OSError):  # the parent is gone
-                msg = ("stop", 0, None)
-            if msg[0] == "many":  # the calls of one parent loop iteration: handed over together
-                rest = [m for m in msg[2] if not joined(m)]
-                if rest:
-                    loop.call_soon_threadsafe(_put_many, rest)
-                continue
-            if joined(msg):
-                continue
-            loop.call_soon_threadsafe(inbox.put_nowait, msg)
-            if msg[0] == "stop":
-                return
-
-    def _put_many(msgs: list[Any]) -> None:
+    # ------------------------------------------------------------ event loop
+    def enqueue(self, msgs: list[Any]) -> None:
         for m in msgs:
-            inbox.put_nowait(m)
+            self.inbox.put_nowait(m)
 
-    outbox: list[Any] = []
+    def reply(self, msg: Any) -> None:
+        """Queue a reply; the replies of one loop iteration (the rows a decode step finished)
+        go as one message."""
+        if not self.outbox:
+            self.loop.call_soon(self.flush)
+        self.outbox.append(msg)
 
-    def flush() -> None:
-        msgs = outbox[:]
-        outbox.clear()
+    def flush(self) -> None:
+        msgs = self.outbox[:]
+        self.outbox.clear()
         if msgs:
-            with send_lock, contextlib.suppress(BrokenPipeError, OSError):  # parent gone: nobody to tell
-                conn.send(msgs[0] if len(msgs) == 1 else ("many", 0, msgs))
+            self._send(msgs)
 
-    def send(msg: Any) -> None:
-        # replies of one loop iteration (the rows a decode step finished) go as one message
-        if not outbox:
-            loop.call_soon(flush)
-        outbox.append(msg)
+    def _send(self, msgs: list[Any]) -> None:
+        with self.send_lock, contextlib.suppress(BrokenPipeError, OSError):  # parent gone: nobody to tell
+            self.conn.send(msgs[0] if len(msgs) == 1 else ("many", 0, msgs))
 
-    async def handle(kind: str, rid: int, payload: Any) -> None:
+    async def handle(self, kind: str, rid: int, payload: Any) -> None:
         try:
-            if kind == "gen":  # the result leaves through the sink, from the engine's thread
-                stats["requests"] += 1
-                stats["prompt_tokens"] += len(payload.prompt_ids)
-                sampler.generate_to(payload, rid, sink)
+            if kind == "gen":  # the result leaves through send_results, from the engine's thread
+                self.stats["requests"] += 1
+                self.stats["prompt_tokens"] += len(payload.prompt_ids)
+                self.sampler.generate_to(payload, rid, self.send_results)
             elif kind == "stats":
-                counts = {k: v + direct[k] for k, v in stats.items()}
-                send(("ok", rid, {**counts, **sunk, "joined_direct": direct["requests"], "prefills": sampler.batches,
-                                  "steps": sampler.steps, "cpu_s": time.process_time(),
-                                  "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+                self.reply(("ok", rid, self.counters()))
             elif kind == "load":
-                manifest, version = payload
-                t0 = time.perf_counter()
-                try:
-                    await sampler.load_weights(map_manifest(manifest), version)
-                finally:
-                    loads_done[0] += 1
-                send(("ok", rid, time.perf_counter() - t0))
+                await self.load(rid, *payload)
             elif kind == "quant":
-                await quant(rid, *payload)
+                await self.quantize_then_load(rid, *payload)
         except BaseException as e:  # noqa: BLE001 - every failure goes back to its caller
-            send(("err", rid, f"{type(e).__name__}: {e}"))
+            self.reply(("err", rid, f"{type(e).__name__}: {e}"))
 
-    async def quant(rid: int, base: Any, path: str | None, then: tuple[int, int] | None = None) -> None:
+    def counters(self) -> dict[str, Any]:
+        s = self.sampler
+        counts = {k: v + self.direct[k] for k, v in self.stats.items()}
+        return {**counts, **self.sunk, "joined_direct": self.direct["requests"], "prefills": s.batches,
+                "steps": s.steps, "cpu_s": time.process_time(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    async def load(self, rid: int, manifest: Any, version: int) -> None:
+        from mixrl.fleet.shared_weights import map_manifest
+
+        t0 = time.perf_counter()
+        try:
+            await self.sampler.load_weights(map_manifest(manifest), version)
+        finally:
+            self.loads_done += 1
+        self.reply(("ok", rid, time.perf_counter() - t0))
+
+    async def quantize_then_load(self, rid: int, base: Any, path: str | None,
+                                 then: tuple[int, int] | None = None) -> None:
+        from mixrl.fleet.shared_weights import map_manifest
+
         try:
             t0 = time.perf_counter()
             tensors = map_manifest(base)
             # generation goes on meanwhile
-            man, changed = await asyncio.to_thread(_quantize, tensors, path)
+            man, changed = await asyncio.to_thread(self.quantize_tensors, tensors, path)
         except BaseException as e:
             if then is not None:  # the load it was to be followed by fails with it
-                loads_done[0] += 1
-                send(("err", then[0], f"{type(e).__name__}: {e}"))
+                self.loads_done += 1
+                self.reply(("err", then[0], f"{type(e).__name__}: {e}"))
             raise
-        send(("ok", rid, (man, time.perf_counter() - t0)))
+        self.reply(("ok", rid, (man, time.perf_counter() - t0)))
         if then is None:
             return
-        flush()  # the manifest leaves now: the format's other replicas map it while this one loads
+        self.flush()  # the manifest leaves now: the format's other replicas map it while this one loads
         load_rid, version = then
         tensors.update(changed)
         t1 = time.perf_counter()
         try:
-            await sampler.load_weights(tensors, version)
+            await self.sampler.load_weights(tensors, version)
         except BaseException as e:  # noqa: BLE001 - the quantization succeeded: only the load fails
-            send(("err", load_rid, f"{type(e).__name__}: {e}"))
+            self.reply(("err", load_rid, f"{type(e).__name__}: {e}"))
             return
         finally:
-            loads_done[0] += 1
-        send(("ok", load_rid, time.perf_counter() - t1))
+            self.loads_done += 1
+        self.reply(("ok", load_rid, time.perf_counter() - t1))
 
-    quantize = None
-
-    def _quantize(tensors: dict[str, Any], path: str | None) -> tuple[Any, dict[str, Any]]:
+    def quantize_tensors(self, tensors: dict[str, Any], path: str | None) -> tuple[Any, dict[str, Any]]:
         """This format's quantization of one version: (the manifest of the file it wrote,
         or None when ``path`` is None: nothing written; the tensors it changed)."""
-        nonlocal quantize
-        if quantize is None:
-            if quant_profile is None:
+        from mixrl.fleet.shared_weights import write_tensors
+
+        if self.quantize is None:
+            if self.quant_profile is None:
                 raise RuntimeError("this worker was started without a weight format to quantize into")
             from mixrl.runtime.backends.embedded.formats import quantizer
 
-            quantize = quantizer(quant_profile)
+            self.quantize = quantizer(self.quant_profile)
         changed = {}
         for k, t in tensors.items():
-            q = quantize(k, t)
+            q = self.quantize(k, t)
             if q is not None:
                 changed[k] = q
         if path is None:  # no other replica of this format to read it
             return None, changed
         return (write_tensors(changed, Path(path)) if changed else {}), changed
 
-    threading.Thread(target=reader, name="mixrl-worker-reader", daemon=True).start()
-    tasks: set[asyncio.Task[None]] = set()
-    while True:
-        kind, rid, payload = await inbox.get()
-        if kind == "stop":
-            break
-        t = asyncio.ensure_future(handle(kind, rid, payload))
-        tasks.add(t)
-        t.add_done_callback(tasks.discard)
-    for t in tasks:
-        t.cancel()
-    await sampler.close()
-    flush()
-    conn.close()
+
+async def serve(conn: Any, sampler: Any, quant_profile: Any = None) -> None:
+    """Serve ``conn`` until told to stop (the server needs the running loop)."""
+    await WorkerServer(conn, sampler, quant_profile).serve()

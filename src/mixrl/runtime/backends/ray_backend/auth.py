@@ -1,9 +1,9 @@
 """Ray token authentication for the Ray backend: every cluster mixrl starts or joins uses it.
 
-``_require_token_mode`` turns Ray's token mode on for this process and every process it
+``require_token_mode`` turns Ray's token mode on for this process and every process it
 starts; ``check_cluster_token`` asks a cluster's GCS to accept this process's token with
 one deadline-bound call, so a missing or wrong token is one clear ``RayAuthError`` line
-instead of Ray's reconnect warnings. Part of the Ray backend (``ray_backend``), the only
+instead of Ray's reconnect warnings. Part of the Ray backend (``runtime.backends.ray_backend``), the only
 place that imports Ray.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 
-from mixrl.config.run import ConfigError
+from mixrl.config import ConfigError
 
 
 class RayAuthError(ConfigError):
@@ -23,7 +23,7 @@ _TOKEN_VARS = "RAY_AUTH_TOKEN (the token) or RAY_AUTH_TOKEN_PATH (a file holding
 _HOST_PORT = re.compile(r"^\[?[A-Za-z0-9.:-]+\]?:\d+$")
 
 
-def _require_token_mode() -> None:
+def require_token_mode() -> None:
     """Token auth on for this process and every process it starts (raylets, workers)."""
     from ray._private.authentication.authentication_token_setup import AUTH_MODE_ENV_VAR
     from ray._raylet import AuthenticationTokenLoader, Config  # type: ignore[attr-defined]

@@ -1,8 +1,8 @@
-"""The typed configuration of one training run (``mixrl train``).
+"""The typed configuration of one training run (``mixrl train``): the schema.
 
-A run is described by a TOML file plus ``--set key.path=value`` overrides. Every
-field has a docstring and a bound; invalid values are reported with their dotted
-field path (``rollout.group_size: ...``) and the CLI exits with status 2.
+Every field has a description and a bound; ``mixrl.config.io`` reads a TOML
+file plus ``--set key.path=value`` overrides into these models and reports an
+invalid value with its dotted field path (``rollout.group_size: ...``).
 
 This module imports only pydantic and the standard library: the CLI validates a
 configuration before torch or Ray are imported. Values derived from user
@@ -24,12 +24,10 @@ Example (the bundled demo is ``mixrl/configs/demo.toml``)::
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mixrl.config.presets import HEAD_K
 
@@ -233,7 +231,7 @@ class EvalConfig(_Section):
 class RuntimeConfig(_Section):
     """The orchestrator: backend, scheduling mode, length, checkpoints."""
 
-    backend: Literal["embedded", "inprocess", "ray"] = Field(default="embedded", description='how handles are made: "embedded" (one machine; "inprocess" is its former name) or "ray"')
+    backend: Literal["embedded", "ray"] = Field(default="embedded", description='how handles are made: "embedded" (one machine) or "ray"')
     sampler_workers: Literal["process", "thread"] = Field(default="process", description="embedded backend: sampler replicas as worker processes, or as threads of the orchestrator (reproducible schedule, for tests)")
     mode: Literal["async", "sync"] = Field(default="async", description="async: samplers never wait; sync: samplers wait for every update")
     max_staleness: int | None = Field(default=None, ge=0, le=1 << 20, description="bound on trainer version - token version; None = unbounded")
@@ -339,156 +337,3 @@ def derive(cfg: RunConfig, preset_top_p: float = 1.0, preset_head_k: int = HEAD_
         rec = "support" if top_p < 1.0 else f"head:{cfg.rollout.head_k or preset_head_k}"
     inflight = cfg.rollout.max_inflight_prompts or 2 * cfg.rollout.prompts_per_step
     return Derived(top_p=top_p, record=rec, max_inflight_prompts=inflight)
-
-
-class ConfigError(ValueError):
-    """A configuration error; ``str(e)`` names the field path(s)."""
-
-
-def _parse_value(text: str) -> Any:
-    """A ``--set`` value: a TOML literal (1, 0.5, true, "x", [1, 2]) or a bare string."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def apply_override(tree: dict[str, Any], assignment: str, defaults: dict[str, Any] | None = None) -> None:
-    """Apply ``key.path=value`` to a nested dict.
-
-    List elements are addressed by index (``fleet.groups.0.replicas=2``). A section
-    missing from ``tree`` is copied from ``defaults`` (the default config) first, so
-    overrides also reach into default lists. ``null`` sets a field to None.
-    """
-    if "=" not in assignment:
-        raise ConfigError(f"--set expects key.path=value, got {assignment!r}")
-    key, text = assignment.split("=", 1)
-    parts = [p for p in key.strip().split(".") if p]
-    if not parts:
-        raise ConfigError(f"--set has an empty key in {assignment!r}")
-    value = None if text.strip() == "null" else _parse_value(text.strip())
-    node: Any = tree
-    dnode: Any = defaults
-    for i, part in enumerate(parts):
-        where = ".".join(parts[: i + 1])
-        last = i == len(parts) - 1
-        if isinstance(node, list):
-            if not part.isdigit() or int(part) >= len(node):
-                raise ConfigError(f"{where}: no list element {part!r} (the list has {len(node)})")
-            idx = int(part)
-            if last:
-                node[idx] = value
-                return
-            node = node[idx]
-            dnode = dnode[idx] if isinstance(dnode, list) and idx < len(dnode) else None
-            continue
-        if not isinstance(node, dict):
-            raise ConfigError(f"{'.'.join(parts[:i])}: is a value, not a section")
-        if last:
-            node[part] = value
-            return
-        dchild = dnode.get(part) if isinstance(dnode, dict) else None
-        if part not in node:
-            node[part] = _deepcopy(dchild) if isinstance(dchild, dict | list) else {}
-        node, dnode = node[part], dchild
-
-
-def format_errors(err: ValidationError) -> str:
-    """A pydantic validation error as one line per field: ``dotted.path: message (got value)``."""
-    lines = []
-    for e in err.errors():
-        path = ".".join(str(p) for p in e["loc"]) or "<root>"
-        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
-        lines.append(f"{path}: {e['msg']}{got}")
-    return "\n".join(lines)
-
-
-def build_config(tree: dict[str, Any], overrides: list[str] = ()) -> RunConfig:  # type: ignore[assignment]
-    """Validate a raw dict after applying overrides; raise ``ConfigError`` naming the fields."""
-    tree = _deepcopy(tree)
-    defaults = RunConfig().model_dump(mode="json")
-    defaults["env"].pop("name")  # --set env.options=... must not pin env.name (it follows [data])
-    for o in overrides:
-        apply_override(tree, o, defaults)
-    try:
-        return RunConfig.model_validate(tree)
-    except ValidationError as e:
-        raise ConfigError(format_errors(e)) from None
-
-
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:  # type: ignore[assignment]
-    """Read a TOML file (None = the bundled demo) and apply ``--set`` overrides."""
-    p = Path(path) if path is not None else demo_config_path()
-    try:
-        tree = tomllib.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {p}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{p}: invalid TOML: {e}") from None
-    return build_config(tree, list(overrides))
-
-
-def demo_config_path() -> Path:
-    """The bundled demo configuration (``mixrl/configs/demo.toml``)."""
-    return Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
-
-
-def to_toml(cfg: RunConfig) -> str:
-    """The resolved config as TOML (what ``--dry-run`` prints and the run dir keeps)."""
-    return _dump_toml(cfg.model_dump(mode="json"))
-
-
-def _deepcopy(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _deepcopy(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_deepcopy(v) for v in x]
-    return x
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    if isinstance(v, dict):
-        return "{ " + ", ".join(f"{_key(k)} = {_toml_value(x)}" for k, x in v.items()) + " }"
-    raise TypeError(f"cannot write {type(v).__name__} as TOML")
-
-
-def _key(k: str) -> str:
-    return k if k.replace("_", "").replace("-", "").isalnum() else _toml_value(k)
-
-
-def _dump_toml(tree: dict[str, Any], prefix: str = "") -> str:
-    """Small TOML writer for the config tree (None values are omitted: TOML has no null)."""
-    out: list[str] = []
-    scalars = {k: v for k, v in tree.items() if not _is_table(v) and not _is_table_list(v)}
-    for k, v in scalars.items():
-        if v is None:
-            out.append(f"# {k} = (unset)")
-        else:
-            out.append(f"{_key(k)} = {_toml_value(v)}")
-    for k, v in tree.items():
-        name = f"{prefix}.{_key(k)}" if prefix else _key(k)
-        if _is_table(v):
-            out.append(f"\n[{name}]")
-            out.append(_dump_toml(v, name))
-        elif _is_table_list(v):
-            for item in v:
-                out.append(f"\n[[{name}]]")
-                out.append(_dump_toml(item, name))
-    return "\n".join(x for x in out if x != "")
-
-
-def _is_table(v: Any) -> bool:
-    # A non-empty dict becomes a [table]; an empty one is written inline as {}.
-    return isinstance(v, dict) and bool(v)
-
-
-def _is_table_list(v: Any) -> bool:
-    return isinstance(v, list) and bool(v) and all(isinstance(x, dict) for x in v)

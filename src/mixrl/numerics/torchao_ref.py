@@ -3,9 +3,10 @@
 On a machine without CUDA, importing torchao logs one warning per CUDA
 extension it cannot load and torch logs pytree deprecation notes; none of them
 concern the pure-torch reference code used here. The extension warnings are
-dropped by a filter on the ``torchao`` logger (``mixrl.runtime.quiet``,
-installed by ``import mixrl``, whoever imports torchao first); the pytree
-notes are muted during the import (the logger's level is restored afterwards).
+dropped by a filter on the ``torchao`` logger that ``import mixrl`` installs
+(``mixrl.runtime.quiet``), before any module of the package can import torchao;
+the pytree notes are muted during the import (the logger's level is restored
+afterwards).
 """
 
 from __future__ import annotations
@@ -13,10 +14,6 @@ from __future__ import annotations
 import functools
 import logging
 from types import SimpleNamespace
-
-from mixrl.runtime.quiet import install_filters
-
-install_filters()  # also run by ``import mixrl``; kept here for direct imports of this module
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Handles over the Ray actors (``ray_actors``): what the orchestrator calls.
+"""Handles over the Ray actors (``actors``): what the orchestrator calls.
 
 A dead actor raises ``RayActorError``, which the sampler handle turns into
 ``ReplicaFailure`` so the fleet's failover path takes over; a failed trainer

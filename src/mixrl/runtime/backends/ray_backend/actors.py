@@ -2,8 +2,8 @@
 
 Each actor runs in its own process with the resources of its placement-group bundle;
 Ray shows it only the GPUs of that bundle (``CUDA_VISIBLE_DEVICES``), so a GPU actor's
-device is always ``cuda:0`` of what it sees. Handles in ``ray_handles``, the backend
-that places them in ``ray_backend``.
+device is always ``cuda:0`` of what it sees. Handles in ``handles``, the backend
+that places them in this package's ``__init__``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from typing import Any
 
 import ray
 
-from mixrl.config.run import RunConfig
+from mixrl.config import RunConfig
 from mixrl.rollout.types import Trajectory
 from mixrl.sampling.base import GenerationRequest, GenerationResult
 
-# Actors take their resources from their placement-group bundle (``ray_backend``).
+# Actors take their resources from their placement-group bundle (``RayBackend``).
 ACTOR_OPTS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
 
 

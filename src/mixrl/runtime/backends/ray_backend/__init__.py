@@ -1,6 +1,6 @@
 """Ray backend: sampler replicas and the trainer as Ray actors.
 
-This module (with ``ray_actors``, ``ray_handles`` and ``ray_auth``) is the only place that imports Ray. The orchestrator is the same as
+This package (``actors``, ``handles``, ``auth`` and the backend here) is the only place that imports Ray. The orchestrator is the same as
 in-process; only the handles differ:
 
 - a sampler replica is an async actor holding an engine behind a ``BatchingSampler``;
@@ -27,7 +27,7 @@ So each group lands on its hardware, and a replica whose node is removed fails
 over like any dead replica (the fleet's health watch pings idle ones). A new
 local cluster declares as many logical CPUs as the fleet needs at its largest.
 
-Authentication: every cluster runs with Ray's token authentication (``ray_auth``;
+Authentication: every cluster runs with Ray's token authentication (``auth``;
 mixrl never opts out). ``start`` joins ``runtime.ray.address`` or ``$RAY_ADDRESS``,
 its token checked first; else it starts a local cluster: token auth on, no
 dashboard, a private temporary directory.
@@ -46,13 +46,17 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from mixrl.config.run import ConfigError, RunConfig
+from mixrl.config import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.runtime.backends.format_refs import FormatRefs
 from mixrl.runtime.backends.placement import bundle, check_broadcast, cpus_needed
-from mixrl.runtime.backends.ray_actors import RankActor, SamplerActor, TrainerActor
-from mixrl.runtime.backends.ray_auth import RayAuthError, _require_token_mode, check_cluster_token  # noqa: F401
-from mixrl.runtime.backends.ray_handles import RayRanks, RaySampler, RayTrainer
+from mixrl.runtime.backends.ray_backend.actors import RankActor, SamplerActor, TrainerActor
+from mixrl.runtime.backends.ray_backend.auth import (  # noqa: F401
+    RayAuthError,
+    check_cluster_token,
+    require_token_mode,
+)
+from mixrl.runtime.backends.ray_backend.handles import RayRanks, RaySampler, RayTrainer
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.sampling.base import ReplicaFailure
 
@@ -112,7 +116,7 @@ class RayBackend(Backend):
         if ray.is_initialized():
             return
         address = self.cfg.runtime.ray.address or os.environ.get("RAY_ADDRESS")
-        _require_token_mode()
+        require_token_mode()
         if address:
             check_cluster_token(address)
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
@@ -154,7 +158,7 @@ class RayBackend(Backend):
 
     async def make_sampler(self, group: str, name: str) -> SamplerHandle:
         from mixrl.runtime.backends.embedded.formats import format_key, serving_profile
-        from mixrl.runtime.backends.inprocess import group_profile, replica_seed
+        from mixrl.runtime.backends.embedded.threads import group_profile, replica_seed
 
         trainer = self.trainer.actor if self.broadcast and self.trainer is not None else None
         if self.broadcast and trainer is None:  # before placing anything, so nothing is left behind
