@@ -22,8 +22,8 @@ busy machine disturb much less (with several threads it also counts their
 spin-waiting, so compare it at ``--threads 1``). The built-in engine records no
 candidates (``record="none"``, as ``generate`` returns none);
 ``builtin_support_tok_s`` is the same run recording the full support.
-``builtin_path`` names the built-in engine's path for the model (``qwen3-fast``
-for Qwen3); ``generic_tok_s`` / ``generic_over_hf`` are the generic HF path
+``builtin_path`` names the built-in engine's path for the model (``qwen3-fast``,
+``llama-fast``, ... for the dense decoders of the fast path); ``generic_tok_s`` / ``generic_over_hf`` are the generic HF path
 (``BuiltinEngine(forward="generic")``, any causal LM) on the same model and prompts.
 
 HF's side runs ``generate`` at its fastest settings on this CPU: SDPA attention
@@ -42,7 +42,7 @@ and each layer the fused qkv GEMM, attention over the cache prefix that step rea
 layer as the engine's cache), the o, fused gate+up and down GEMMs; ``lm_head`` once per
 generated token. Kernels: the engine's own, on its loaded weights (``PackedLinear``: MKL
 sgemm on the transposed weight, residual adds in the accumulator; attention:
-``qwen3_forward._decode_attention``); ``F.linear`` + SDPA on the same work measured 4% (GEMMs)
+``decoder_forward._decode_attention``); ``F.linear`` + SDPA on the same work measured 4% (GEMMs)
 and 3% (attention) slower side by side, so these are the cheaper of the two. Not in it:
 norms, RoPE, SiLU and the SwiGLU product, the cache write, the prefill's attention,
 sampling, Python bookkeeping. ``floor_tok_s`` = generated tokens / (``floor_gemm_s`` +
@@ -202,7 +202,7 @@ class Floor:
     """The unavoidable work of the fast path's generation, timed alone (see the module doc).
 
     The engine's own weights and GEMM kernels (its ``PackedLinear`` layers) and its decode
-    attention (``qwen3_forward._decode_attention``), on random preallocated inputs, in the
+    attention (``decoder_forward._decode_attention``), on random preallocated inputs, in the
     engine's order: the prefill's GEMMs once over ``rows * prompt_len`` rows, then per decode
     step and layer the qkv GEMM, attention over the cache prefix the engine reads at that
     step, the o, gate+up and down GEMMs (residual adds in the accumulator, as the engine);
@@ -254,7 +254,7 @@ class Floor:
     def __call__(self) -> int:
         import torch
 
-        from mixrl.sampling.builtin.qwen3_forward import _decode_attention
+        from mixrl.sampling.builtin.decoder_forward import _decode_attention
 
         clock, layers = time.perf_counter, self.w.layers
         gemm = attn = 0.0
@@ -401,7 +401,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = _prompts(engine.vocab, args.batch, args.prompt_len, args.seed)
         new = args.new_tokens
         # the floor: the fast path's GEMMs and attention alone (see the module doc)
-        fast = engine.path_name == "qwen3-fast"
+        fast = engine.path_name.endswith("-fast")
         floor = Floor(engine, args.batch, args.prompt_len, new, args.seed) if fast else None
         best, cpu = throughput(engine, hf, prompts, new, args.repeats, generic, floor)
         if generic is None:  # the model only runs on the generic path: it is the builtin side

@@ -4,8 +4,8 @@
 fake-quantized weights and decodes incrementally with a KV cache: one prefill
 over the left-padded prompts, then one token per step for the whole batch;
 new requests can join a running batch between steps (``stream``, ``running``).
-Two paths (``forward=``): ``"fast"``, the hand-fused Qwen3 kernels
-(``fast``/``qwen3_forward``), and ``"generic"``, the HF model's own modules with
+Two paths (``forward=``): ``"fast"``, the hand-fused kernels of dense
+decoders (Qwen3, Llama, Mistral, Qwen2: ``fast``/``decoder_forward``), and ``"generic"``, the HF model's own modules with
 the formats applied in place (``generic``); ``"auto"`` (default) takes the fast
 path where it applies (``fast.applies``) and the generic one otherwise.
 KV is computed once where it can be (``prefix_cache``): a cohort's identical prompts
@@ -93,7 +93,7 @@ class BuiltinEngine(Engine):
             ``max_position_embeddings``).
         num_threads: ``torch.set_num_threads`` for the process (torch is process-wide).
         stop_on_eos: also stop on the model's EOS ids (generation_config, else config).
-        forward: ``"auto"`` | ``"fast"`` (Qwen3 only) | ``"generic"`` (see module doc);
+        forward: ``"auto"`` | ``"fast"`` (dense decoders, ``fast.applies``) | ``"generic"`` (see module doc);
             ``path_name`` says which one runs.
         prefix_reuse: prefill a cohort's identical prompts once and reuse a session's KV
             across its requests (``prefix_cache``; generic path: full-attention models only).

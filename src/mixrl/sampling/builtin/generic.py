@@ -32,9 +32,9 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from mixrl.models.moe import is_router
+from mixrl.sampling.builtin.decoder_forward import clean_names
 from mixrl.sampling.builtin.hf_cache import GrowingLayer, QuantizedKVCache
 from mixrl.sampling.builtin.precision import Precision
-from mixrl.sampling.builtin.qwen3_forward import _clean
 
 
 def is_expert_bank(mod: nn.Module) -> bool:
@@ -66,7 +66,7 @@ class GenericPath:
 
     # ------------------------------------------------------------------ weights
     def build(self, state_dict: Mapping[str, Any]) -> nn.Module:
-        sd, dt, prec = _clean(state_dict), self.prec.dtype, self.prec
+        sd, dt, prec = clean_names(state_dict), self.prec.dtype, self.prec
         need = self._skeleton.state_dict().keys()
         out: dict[str, torch.Tensor] = {}
         for name in need:
