@@ -46,7 +46,8 @@ sgemm on the transposed weight, residual adds in the accumulator; attention:
 and 3% (attention) slower side by side, so these are the cheaper of the two. Not in it:
 norms, RoPE, SiLU and the SwiGLU product, the cache write, the prefill's attention,
 sampling, Python bookkeeping. ``floor_tok_s`` = generated tokens / (``floor_gemm_s`` +
-``floor_attention_s``); ``floor_over_hf`` = floor_tok_s / hf_tok_s, the highest
+``floor_attention_s``) (``floor_cpu_tok_s``: per CPU second of a whole floor run, as the
+other arms' ``*_cpu_tok_s``, with ``floor_over_hf_cpu`` and ``builtin_over_floor_cpu``); ``floor_over_hf`` = floor_tok_s / hf_tok_s, the highest
 ``builtin_over_hf`` an engine doing nothing but that work with these kernels reaches on
 this machine; ``builtin_over_floor`` = builtin_tok_s / floor_tok_s, how far the engine is
 from it. ``floor_gemm_gflop_s`` (GEMM flops / floor_gemm_s) and ``floor_attention_gb_s``
@@ -369,15 +370,21 @@ def throughput(
     return best, best_cpu
 
 
-def floor_fields(floor: Floor | None, best: dict[str, float]) -> dict[str, Any]:
-    """The floor's figures from its best run (least gemm_s + attention_s)."""
+def floor_fields(floor: Floor | None, best: dict[str, float], cpu: dict[str, float] | None = None) -> dict[str, Any]:
+    """The floor's figures from its best run (least gemm_s + attention_s); with ``cpu`` (best
+    tokens per CPU second of each arm) also the same ratios in CPU time."""
     if floor is None or not floor.runs:
         return dict(floor_tok_s=None, floor_over_hf=None, builtin_over_floor=None, floor_gemm_s=None,
                     floor_attention_s=None, floor_gemm_gflop_s=None, floor_attention_gb_s=None,
                     floor_note="no floor: the model runs on the generic path")  # fmt: skip
     gemm, attn = min(floor.runs, key=sum)
     tok_s = sum(floor.rows) * floor.N / (gemm + attn)
-    return {
+    in_cpu = {} if cpu is None else {
+        "floor_cpu_tok_s": round(cpu["floor"], 1),
+        "floor_over_hf_cpu": round(cpu["floor"] / cpu["hf"], 3),
+        "builtin_over_floor_cpu": round(cpu["builtin"] / cpu["floor"], 3),
+    }  # fmt: skip
+    return in_cpu | {
         "floor_tok_s": round(tok_s, 1),
         "floor_over_hf": round(tok_s / best["hf"], 3),
         "builtin_over_floor": round(best["builtin"] / tok_s, 3),
@@ -424,7 +431,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "hf_cpu_tok_s": round(cpu["hf"], 1),
             "builtin_over_hf_cpu": round(cpu["builtin"] / cpu["hf"], 3),
         }  # fmt: skip
-        out.update(floor_fields(floor, best))
+        out.update(floor_fields(floor, best, cpu))
         del engine, hf, generic, floor
         if not args.no_memory:
             out["builtin_peak_mb"] = peak_mb("builtin", path, prompts, new, args.threads)
