@@ -43,6 +43,7 @@ import torch
 
 from mixrl.sampling.base import Engine, FinishReason, GenerationRequest, GenerationResult
 from mixrl.sampling.builtin import fast
+from mixrl.sampling.builtin.memory import release_freed_memory
 from mixrl.sampling.builtin.precision import from_profile
 from mixrl.sampling.builtin.prefix_cache import PrefixStore
 from mixrl.sampling.builtin.running import Running
@@ -170,6 +171,7 @@ class BuiltinEngine(Engine):
                 self.path = GenericPath(hf, self.prec)
             self._weights = self.path.build(hf.state_dict())
         del hf
+        release_freed_memory()  # the HF model's pages (memory.py)
         self.path_name = self.path.name
         # KV reuse (prefix_cache): a cohort's identical prompts prefilled once, sessions' KV kept
         self.prefix_reuse = prefix_reuse and getattr(self.path, "reuses_kv", True)
@@ -188,6 +190,8 @@ class BuiltinEngine(Engine):
         with torch.inference_mode():
             w = self.path.build(state_dict)
         self._weights, self.version = w, version  # a running batch keeps its own reference
+        del w
+        release_freed_memory()  # the previous weights' pages, unless a running batch holds them
         if self.kv_store is not None:
             self.kv_store.drop_older(version)
 
