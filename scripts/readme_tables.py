@@ -139,6 +139,13 @@ def table_real() -> str:
                   "(Newcombe's hybrid score interval from the two Wilson intervals; "
                   + ("it excludes 0)." if lo > 0 or hi < 0 else "it does **not** exclude 0).")
                   )
+    paired = _load("real_model_paired.json")  # the same rows and seed: the gain paired by row
+    if paired is not None:
+        t, bt = paired["paired_t"], paired["paired_bootstrap"]
+        table += (f" Paired by row (`examples/real_model/paired_gain.py`, per-row data in "
+                  f"docs/artifacts/real_model_paired.json): {paired['gain']:+.3f}, 95% paired t "
+                  f"{t['lo']:+.3f} to {t['hi']:+.3f}, paired bootstrap {bt['lo']:+.3f} to {bt['hi']:+.3f}, "
+                  f"McNemar exact p = {paired['mcnemar_exact_p']:.3f}.")
     return table
 
 

@@ -41,6 +41,7 @@ ARCHS = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen3_moe": ("Qwen3MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}),
 }
+FAST = ("llama", "qwen2", "qwen3", "mistral")  # the dense decoders of the fast path
 FP8 = with_overrides(get_profile("h100-fp8"), activation_format="fp8_e4m3", compute_dtype="float32")
 
 
@@ -117,9 +118,9 @@ def _hf(path: Path) -> Any:
 
 def test_fp32_logprobs_equal_trainer_forward(arch_model):
     arch, path = arch_model
-    paths = ["generic"] + (["fast"] if arch == "qwen3" else [])
+    paths = ["generic"] + (["fast"] if arch in FAST else [])
     auto = BuiltinEngine(str(path), get_profile("fp32"), "g")
-    assert auto.path_name == ("qwen3-fast" if arch == "qwen3" else "generic")
+    assert auto.path_name == (f"{arch}-fast" if arch in FAST else "generic")
     for fwd in paths:
         res = _generate(BuiltinEngine(str(path), get_profile("fp32"), "g", forward=fwd, stop_on_eos=False))
         assert all(len(r.token_ids) == 10 for r in res)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from mixrl.sampling.builtin import qwen3_forward as qf
+from mixrl.sampling.builtin import decoder_forward as qf
 from mixrl.sampling.builtin.linear import PackedLinear
 from mixrl.sampling.builtin.precision import from_profile
 

@@ -38,6 +38,11 @@ Three measurements in one invocation, all on the bundled policy:
    definition is still reported side by side: ``quantize_s_default_threads``,
    ``publish_floor_default_threads_s``, ``publish_over_floor_default_threads``.
 
+``peak_pss_gb``: the peak memory of the bench process and every worker process it
+started, shared memory counted once (PSS, ``bench/memwatch.py``), overall and per phase
+(``peak_pss_gb_by_phase``). A larger model than the bundled policy may need
+``--set optim.micro_batch_tokens=...`` and shorter rollouts (``--set`` applies to every arm).
+
 ``load_avg`` is the machine's load average at the end (the ratios are measured
 side by side, but a busy machine moves them).
 """
@@ -63,7 +68,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=8, help="G: samples per prompt")
     parser.add_argument("--no-trl", action="store_true", help="skip the TRL comparison")
     parser.add_argument("--out", default=None, help="keep the run directories here")
-    parser.add_argument("--model", default="bundled", help='policy: "bundled" or an HF directory')
+    parser.add_argument("--model", default="bundled",
+                        help='policy: "bundled" or any model.path (HF directory, .gguf, pkg:...)')
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one config field in every arm, as mixrl train --set (repeatable)")
 
 
 def _cfg(base: list[str], run_dir: Path, extra: list[str]) -> Any:
@@ -315,8 +323,14 @@ def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int,
 
 def main(args: argparse.Namespace) -> int:
     # Everything the runs print goes to stderr: with --json, stdout is one JSON object.
+    from mixrl.config.run import ConfigError
+
     with contextlib.redirect_stdout(sys.stderr):
-        res = _measure(args)
+        try:
+            res = _measure(args)
+        except ConfigError as e:  # a bad --set or --model: one line, exit status 2
+            print(f"mixrl bench e2e: {e}", file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps(res, default=float))
     else:
@@ -325,16 +339,32 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
+    from mixrl.bench.memwatch import PeakMemory
+
+    with PeakMemory() as mem:
+        res = _measure_all(args, mem)
+    res.update(mem.gb())  # the bench process and its workers, shared memory counted once (PSS)
+    return res
+
+
+def _measure_all(args: argparse.Namespace, mem: Any) -> dict[str, Any]:
+    from mixrl.config.run import load_config
     from mixrl.models.policy import resolve
 
     out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="mixrl-bench-e2e-"))
     base = [f'model.path="{args.model}"', f"runtime.steps={args.steps}", f"rollout.prompts_per_step={args.prompts}",
             f"rollout.group_size={args.group_size}", "runtime.checkpoint_every=0",
-            "runtime.eval.enabled=false", "observe.tensorboard=false", "observe.progress=false"]
+            "runtime.eval.enabled=false", "observe.tensorboard=false", "observe.progress=false",
+            *args.overrides]
+    load_config(None, base)  # a bad --set fails here, before any run
     model_path = str(resolve(args.model))
-    res: dict[str, Any] = {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size}
+    res: dict[str, Any] = {"steps": args.steps, "prompts_per_step": args.prompts, "group_size": args.group_size,
+                           "model": args.model, "overrides": list(args.overrides)}
+    mem.phase("sync")
     sync = run_mixrl(base, out_root / "sync", ['runtime.mode="sync"'])
+    mem.phase("async")
     asyn = run_mixrl(base, out_root / "async", ['runtime.mode="async"'])
+    mem.phase("publish")
     res["sync"], res["async"] = sync, asyn
     res["async_over_sync"] = asyn["samples_per_s"] / sync["samples_per_s"]
     res["trainer_idle_frac"] = asyn["trainer_idle_frac"]
@@ -361,11 +391,13 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
     else:
         # TRL is one process: give it its best torch thread count (mixrl's processes use every core)
         from mixrl.runtime.backends.embedded.slots import usable_cores
+        mem.phase("trl")
         tries = [run_trl(model_path, args.steps, args.prompts, args.group_size, max_new, 1e-4, threads=t)
                  for t in sorted({1, usable_cores()})]
         res["trl"] = max(tries, key=lambda r: r.get("steps_per_s") or 0.0)
         res["trl_steps_per_s_by_threads"] = {r.get("threads"): r.get("steps_per_s") for r in tries}
     if res["trl"].get("available"):
+        mem.phase("vs_trl")
         mine = run_mixrl(base, out_root / "vs-trl", [*single, "optim.lr=1e-4"])
         res["mixrl_single_turn"] = mine
         res["mixrl_over_trl"] = mine["steps_per_s"] / res["trl"]["steps_per_s"]

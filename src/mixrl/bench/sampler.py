@@ -22,8 +22,8 @@ busy machine disturb much less (with several threads it also counts their
 spin-waiting, so compare it at ``--threads 1``). The built-in engine records no
 candidates (``record="none"``, as ``generate`` returns none);
 ``builtin_support_tok_s`` is the same run recording the full support.
-``builtin_path`` names the built-in engine's path for the model (``qwen3-fast``
-for Qwen3); ``generic_tok_s`` / ``generic_over_hf`` are the generic HF path
+``builtin_path`` names the built-in engine's path for the model (``qwen3-fast``,
+``llama-fast``, ... for the dense decoders of the fast path); ``generic_tok_s`` / ``generic_over_hf`` are the generic HF path
 (``BuiltinEngine(forward="generic")``, any causal LM) on the same model and prompts.
 
 HF's side runs ``generate`` at its fastest settings on this CPU: SDPA attention
@@ -42,11 +42,12 @@ and each layer the fused qkv GEMM, attention over the cache prefix that step rea
 layer as the engine's cache), the o, fused gate+up and down GEMMs; ``lm_head`` once per
 generated token. Kernels: the engine's own, on its loaded weights (``PackedLinear``: MKL
 sgemm on the transposed weight, residual adds in the accumulator; attention:
-``qwen3_forward.decode_attention``); ``F.linear`` + SDPA on the same work measured 4% (GEMMs)
+``decoder_forward.decode_attention``); ``F.linear`` + SDPA on the same work measured 4% (GEMMs)
 and 3% (attention) slower side by side, so these are the cheaper of the two. Not in it:
 norms, RoPE, SiLU and the SwiGLU product, the cache write, the prefill's attention,
 sampling, Python bookkeeping. ``floor_tok_s`` = generated tokens / (``floor_gemm_s`` +
-``floor_attention_s``); ``floor_over_hf`` = floor_tok_s / hf_tok_s, the highest
+``floor_attention_s``) (``floor_cpu_tok_s``: per CPU second of a whole floor run, as the
+other arms' ``*_cpu_tok_s``, with ``floor_over_hf_cpu`` and ``builtin_over_floor_cpu``); ``floor_over_hf`` = floor_tok_s / hf_tok_s, the highest
 ``builtin_over_hf`` an engine doing nothing but that work with these kernels reaches on
 this machine; ``builtin_over_floor`` = builtin_tok_s / floor_tok_s, how far the engine is
 from it. ``floor_gemm_gflop_s`` (GEMM flops / floor_gemm_s) and ``floor_attention_gb_s``
@@ -202,7 +203,7 @@ class Floor:
     """The unavoidable work of the fast path's generation, timed alone (see the module doc).
 
     The engine's own weights and GEMM kernels (its ``PackedLinear`` layers) and its decode
-    attention (``qwen3_forward.decode_attention``), on random preallocated inputs, in the
+    attention (``decoder_forward.decode_attention``), on random preallocated inputs, in the
     engine's order: the prefill's GEMMs once over ``rows * prompt_len`` rows, then per decode
     step and layer the qkv GEMM, attention over the cache prefix the engine reads at that
     step, the o, gate+up and down GEMMs (residual adds in the accumulator, as the engine);
@@ -254,7 +255,7 @@ class Floor:
     def __call__(self) -> int:
         import torch
 
-        from mixrl.sampling.builtin.qwen3_forward import decode_attention
+        from mixrl.sampling.builtin.decoder_forward import decode_attention
 
         clock, layers = time.perf_counter, self.w.layers
         gemm = attn = 0.0
@@ -369,15 +370,21 @@ def throughput(
     return best, best_cpu
 
 
-def floor_fields(floor: Floor | None, best: dict[str, float]) -> dict[str, Any]:
-    """The floor's figures from its best run (least gemm_s + attention_s)."""
+def floor_fields(floor: Floor | None, best: dict[str, float], cpu: dict[str, float] | None = None) -> dict[str, Any]:
+    """The floor's figures from its best run (least gemm_s + attention_s); with ``cpu`` (best
+    tokens per CPU second of each arm) also the same ratios in CPU time."""
     if floor is None or not floor.runs:
         return dict(floor_tok_s=None, floor_over_hf=None, builtin_over_floor=None, floor_gemm_s=None,
                     floor_attention_s=None, floor_gemm_gflop_s=None, floor_attention_gb_s=None,
                     floor_note="no floor: the model runs on the generic path")  # fmt: skip
     gemm, attn = min(floor.runs, key=sum)
     tok_s = sum(floor.rows) * floor.N / (gemm + attn)
-    return {
+    in_cpu = {} if cpu is None else {
+        "floor_cpu_tok_s": round(cpu["floor"], 1),
+        "floor_over_hf_cpu": round(cpu["floor"] / cpu["hf"], 3),
+        "builtin_over_floor_cpu": round(cpu["builtin"] / cpu["floor"], 3),
+    }  # fmt: skip
+    return in_cpu | {
         "floor_tok_s": round(tok_s, 1),
         "floor_over_hf": round(tok_s / best["hf"], 3),
         "builtin_over_floor": round(best["builtin"] / tok_s, 3),
@@ -401,7 +408,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = _prompts(engine.vocab, args.batch, args.prompt_len, args.seed)
         new = args.new_tokens
         # the floor: the fast path's GEMMs and attention alone (see the module doc)
-        fast = engine.path_name == "qwen3-fast"
+        fast = engine.path_name.endswith("-fast")
         floor = Floor(engine, args.batch, args.prompt_len, new, args.seed) if fast else None
         best, cpu = throughput(engine, hf, prompts, new, args.repeats, generic, floor)
         if generic is None:  # the model only runs on the generic path: it is the builtin side
@@ -424,7 +431,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "hf_cpu_tok_s": round(cpu["hf"], 1),
             "builtin_over_hf_cpu": round(cpu["builtin"] / cpu["hf"], 3),
         }  # fmt: skip
-        out.update(floor_fields(floor, best))
+        out.update(floor_fields(floor, best, cpu))
         del engine, hf, generic, floor
         if not args.no_memory:
             out["builtin_peak_mb"] = peak_mb("builtin", path, prompts, new, args.threads)

@@ -6,7 +6,7 @@
 dependency. Both take the same constructor arguments.
 
 The built-in engine runs any ``AutoModelForCausalLM``: ``forward="auto"`` (default)
-takes the hand-fused Qwen3 fast path where it applies and the generic HF path
+takes the hand-fused fast path where it applies (Qwen3, Llama, Mistral, Qwen2) and the generic HF path
 otherwise; ``builtin_forward(model_path)`` says which it would pick, and
 ``make_engine(path, "fp32", group, forward="generic")`` forces one. An evaluator
 that needs an engine for any model uses ``make_engine(path, "fp32", group)``.
@@ -50,7 +50,7 @@ def make_engine(model_path: str, profile: Any, group: str, **kw: Any) -> Engine:
 
 
 def builtin_forward(model_path: str) -> str:
-    """``"fast"`` when the Qwen3 fast path applies to the model at ``model_path``, else ``"generic"``."""
+    """``"fast"`` when the fast path applies to the model at ``model_path``, else ``"generic"``."""
     from transformers import AutoConfig
 
     from mixrl.sampling.builtin.fast import applies

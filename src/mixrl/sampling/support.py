@@ -2,7 +2,7 @@
 
 - ``builtin``: any decoder ``transformers`` builds with ``AutoModelForCausalLM``
   (the config's class is in ``MODEL_FOR_CAUSAL_LM_MAPPING``) and that is not an
-  encoder-decoder; Qwen3 takes the fast path, the rest the generic one.
+  encoder-decoder; Qwen3, Llama, Mistral and Qwen2 take the fast path, the rest the generic one.
 - ``vllm``: ``config.architectures[0]`` is one of vLLM's text-generation models
   (its registry; importing vLLM happens only when a vLLM group asks).
 

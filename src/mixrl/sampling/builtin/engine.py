@@ -4,8 +4,8 @@
 fake-quantized weights and decodes incrementally with a KV cache: one prefill
 over the left-padded prompts, then one token per step for the whole batch;
 new requests can join a running batch between steps (``stream``, ``running``).
-Two paths (``forward=``): ``"fast"``, the hand-fused Qwen3 kernels
-(``fast``/``qwen3_forward``), and ``"generic"``, the HF model's own modules with
+Two paths (``forward=``): ``"fast"``, the hand-fused kernels of dense
+decoders (Qwen3, Llama, Mistral, Qwen2: ``fast``/``decoder_forward``), and ``"generic"``, the HF model's own modules with
 the formats applied in place (``generic``); ``"auto"`` (default) takes the fast
 path where it applies (``fast.applies``) and the generic one otherwise.
 KV is computed once where it can be (``prefix_cache``): a cohort's identical prompts
@@ -43,6 +43,7 @@ import torch
 
 from mixrl.sampling.base import Engine, FinishReason, GenerationRequest, GenerationResult
 from mixrl.sampling.builtin import fast
+from mixrl.sampling.builtin.memory import release_freed_memory
 from mixrl.sampling.builtin.precision import from_profile
 from mixrl.sampling.builtin.prefix_cache import PrefixStore
 from mixrl.sampling.builtin.running import Running
@@ -93,7 +94,7 @@ class BuiltinEngine(Engine):
             ``max_position_embeddings``).
         num_threads: ``torch.set_num_threads`` for the process (torch is process-wide).
         stop_on_eos: also stop on the model's EOS ids (generation_config, else config).
-        forward: ``"auto"`` | ``"fast"`` (Qwen3 only) | ``"generic"`` (see module doc);
+        forward: ``"auto"`` | ``"fast"`` (dense decoders, ``fast.applies``) | ``"generic"`` (see module doc);
             ``path_name`` says which one runs.
         prefix_reuse: prefill a cohort's identical prompts once and reuse a session's KV
             across its requests (``prefix_cache``; generic path: full-attention models only).
@@ -170,6 +171,7 @@ class BuiltinEngine(Engine):
                 self.path = GenericPath(hf, self.prec)
             self.weights = self.path.build(hf.state_dict())
         del hf
+        release_freed_memory()  # the HF model's pages (memory.py)
         self.path_name = self.path.name
         # KV reuse (prefix_cache): a cohort's identical prompts prefilled once, sessions' KV kept
         self.prefix_reuse = prefix_reuse and getattr(self.path, "reuses_kv", True)
@@ -188,6 +190,8 @@ class BuiltinEngine(Engine):
         with torch.inference_mode():
             w = self.path.build(state_dict)
         self.weights, self.version = w, version  # a running batch keeps its own reference
+        del w
+        release_freed_memory()  # the previous weights' pages, unless a running batch holds them
         if self.kv_store is not None:
             self.kv_store.drop_older(version)
 

@@ -1,4 +1,4 @@
-"""The built-in engine's fast path for Qwen3: the hand-fused forward of ``qwen3_forward``.
+"""The built-in engine's fast path for dense decoders: the hand-fused forward of ``decoder_forward``.
 
 A *path* is what ``BuiltinEngine`` decodes with. Both paths (this one and
 ``generic.GenericPath``) have the same small interface:
@@ -22,8 +22,9 @@ A *path* is what ``BuiltinEngine`` decodes with. Both paths (this one and
   only columns [col0, P) are computed; ``rows`` [R]: the batch has R rows, row i a copy of
   prefilled row ``rows[i]``; ``batch.row_kv(j, c0, c1)``: row j's stored keys and values.
 
-This path applies only to ``model_type == "qwen3"`` (``applies``); every other
-causal LM runs on the generic path.
+This path applies to the dense decoders of ``decoder_forward.ARCHITECTURES`` (Qwen3,
+Llama, Mistral, Qwen2; ``applies`` says why not otherwise); every other causal LM runs
+on the generic path. Its name is ``"<model_type>-fast"``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mixrl.sampling.builtin import qwen3_forward as qf
+from mixrl.sampling.builtin import decoder_forward as qf
 from mixrl.sampling.builtin.kv_cache import KVCache
 from mixrl.sampling.builtin.precision import Precision
 
@@ -49,10 +50,9 @@ def applies(cfg: Any) -> str | None:
 
 
 class FastPath:
-    name = "qwen3-fast"
-
     def __init__(self, cfg: Any, prec: Precision, max_context: int | None, max_batch: int) -> None:
         self.shape = qf.Shape.from_config(cfg)
+        self.name = f"{cfg.model_type}-fast"
         self.prec, self.max_batch = prec, max_batch
         self.max_positions = self.shape.max_positions
         self.vocab = self.shape.vocab

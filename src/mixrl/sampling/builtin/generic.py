@@ -32,9 +32,9 @@ from torch import nn
 from transformers.cache_utils import DynamicLayer
 
 from mixrl.models.moe import is_router
+from mixrl.sampling.builtin.decoder_forward import strip_wrapper_prefixes
 from mixrl.sampling.builtin.hf_cache import GrowingLayer, QuantizedKVCache
 from mixrl.sampling.builtin.precision import Precision
-from mixrl.sampling.builtin.qwen3_forward import strip_wrapper_prefixes
 
 
 def is_expert_bank(mod: nn.Module) -> bool:

@@ -1,18 +1,21 @@
-"""Qwen3 incremental forward with a KV cache: the built-in engine's own kernels.
+"""Incremental forward with a KV cache for dense decoders: the built-in engine's own kernels.
 
-Math of ``transformers``' Qwen3 (arXiv 2505.09388): pre-norm decoder layers,
-RMSNorm, per-head RMSNorm on q and k before RoPE, grouped-query attention,
-SwiGLU MLP, tied or untied ``lm_head``. The *kernels* are ours on purpose:
+Math of ``transformers``' Qwen3 (arXiv 2505.09388), Llama, Mistral and Qwen2: pre-norm
+decoder layers, RMSNorm, grouped-query attention, SwiGLU MLP, tied or untied ``lm_head``.
+They differ in three things only (``ARCHITECTURES``): Qwen3 normalizes each q and k head
+(RMSNorm) before RoPE; Qwen2 has biases on q, k and v; Llama and Qwen3 on all four
+projections when ``config.attention_bias``. The *kernels* are ours on purpose:
 fused qkv and gate/up matmuls on weights laid out once for their GEMM
 (``linear.py``), both residual adds in the GEMMs' accumulators, the attention
-scale folded into the q-norm weights, a preallocated
+scale folded into the q-norm weights (Qwen3) or into the q rows of the qkv weight
+and bias (the others), a preallocated
 cache written in place one step at a time, RoPE from a precomputed table, so
 that a sampler differs from the trainer's full-sequence HF forward the way a
 real inference engine does.
 
 Weights are fake-quantized once on load (``Precision.weight``) per HF Linear —
 q, k, v, o, gate, up, down separately, so per-tensor scales are the same as
-quantizing an HF model in place — and only then fused.
+quantizing an HF model in place — and only then scaled (q) and fused.
 """
 
 from __future__ import annotations
@@ -28,7 +31,15 @@ from mixrl.sampling.builtin.kv_cache import KVCache
 from mixrl.sampling.builtin.linear import PackedLinear, SwiGLU
 from mixrl.sampling.builtin.precision import Precision
 
-SUPPORTED_MODEL_TYPES = ("qwen3",)
+# model_type -> (HF modeling module and class prefix, q/k head norms, q/k/v biases, o bias); a bias
+# entry None reads ``config.attention_bias``
+ARCHITECTURES: dict[str, tuple[str, str, bool, bool | None, bool | None]] = {
+    "qwen3": ("qwen3", "Qwen3", True, None, None),
+    "llama": ("llama", "Llama", False, None, None),
+    "mistral": ("mistral", "Mistral", False, False, False),
+    "qwen2": ("qwen2", "Qwen2", False, True, False),
+}
+SUPPORTED_MODEL_TYPES = tuple(ARCHITECTURES)
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,9 @@ class Shape:
     intermediate: int
     eps: float
     tied: bool
-    bias: bool  # attention projections carry biases
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+    qkv_bias: bool  # q, k and v projections carry biases
+    o_bias: bool  # the o projection carries a bias
     max_positions: int
     inv_freq: torch.Tensor  # [head_dim // 2] float32
     rope_scale: float  # "attention_scaling" of non-default RoPE types (1.0 by default)
@@ -56,16 +69,23 @@ class Shape:
                 f"config.model_type must be one of {SUPPORTED_MODEL_TYPES} for the built-in engine, "
                 f"got {cfg.model_type!r}"
             )
+        module, prefix, qk_norm, qkv_bias, o_bias = ARCHITECTURES[cfg.model_type]
         if cfg.hidden_act != "silu":
             raise ValueError(f"config.hidden_act must be 'silu', got {cfg.hidden_act!r}")
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
             raise ValueError("config.layer_types has sliding_attention layers: not supported")
+        if getattr(cfg, "sliding_window", None) is not None and cfg.model_type == "mistral":
+            raise ValueError("config.sliding_window is set: sliding-window attention is not supported")
+        if getattr(cfg, "mlp_bias", False):
+            raise ValueError("config.mlp_bias is true: MLP biases are not supported")
         rope_type = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
         if rope_type == "dynamic":
             raise ValueError("config.rope_parameters.rope_type 'dynamic' is not supported")
-        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+        import importlib
 
-        rope = Qwen3RotaryEmbedding(cfg)  # reuse HF's inv_freq for every RoPE type it knows
+        modeling = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+        rope = getattr(modeling, f"{prefix}RotaryEmbedding")(cfg)  # HF's inv_freq, every RoPE type it knows
+        bias = bool(getattr(cfg, "attention_bias", False))
         heads = cfg.num_attention_heads
         return Shape(
             vocab=cfg.vocab_size,
@@ -77,7 +97,9 @@ class Shape:
             intermediate=cfg.intermediate_size,
             eps=cfg.rms_norm_eps,
             tied=bool(cfg.tie_word_embeddings),
-            bias=bool(getattr(cfg, "attention_bias", False)),
+            qk_norm=qk_norm,
+            qkv_bias=bias if qkv_bias is None else qkv_bias,
+            o_bias=bias if o_bias is None else o_bias,
             max_positions=cfg.max_position_embeddings,
             inv_freq=rope.inv_freq.detach().float().clone(),
             rope_scale=float(rope.attention_scaling),
@@ -88,9 +110,10 @@ class Shape:
 class Layer:
     ln1: torch.Tensor  # [H]
     ln2: torch.Tensor  # [H]
-    qk_norm: torch.Tensor  # [Hq + Hkv, D]: q_norm * D^-0.5 per query head, then k_norm per kv head
-    qkv: PackedLinear  # [(Hq + 2 Hkv) D, H] (+ bias when config.attention_bias)
-    o: PackedLinear  # [H, Hq D]
+    # [Hq + Hkv, D]: q_norm * D^-0.5 per query head, then k_norm per kv head; None: no head norms
+    qk_norm: torch.Tensor | None
+    qkv: PackedLinear  # [(Hq + 2 Hkv) D, H] (+ bias, Shape.qkv_bias); q rows * D^-0.5 without head norms
+    o: PackedLinear  # [H, Hq D] (+ bias, Shape.o_bias)
     mlp: SwiGLU  # gate and up [I, H]
     down: PackedLinear  # [H, I]
 
@@ -143,7 +166,7 @@ def build_weights(
 
     def get(name: str) -> torch.Tensor:  # the source tensor in fp32, possibly not a copy
         if name not in sd:
-            raise KeyError(f"state_dict has no {name!r} (expected HF Qwen3 parameter names)")
+            raise KeyError(f"state_dict has no {name!r} (expected HF parameter names)")
         t = sd[name].detach()
         return t if t.dtype == torch.float32 else t.float()
 
@@ -153,24 +176,32 @@ def build_weights(
     def lin(name: str) -> torch.Tensor:  # a Linear weight: quantize in fp32, then cast (the fused ops copy)
         return prec.weight(get(name)).to(dt)
 
+    # the attention scale rides on q (RoPE is linear): on its head norm's weight, or without
+    # head norms on q's weight and bias (after quantizing); no pass over the scores
+    scale = shape.head_dim**-0.5
+    q_scale = 1.0 if shape.qk_norm else scale
     layers = []
     for i in range(shape.layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        b_qkv = b_o = None
-        if shape.bias:
-            b_qkv = torch.cat([get(a + f"{n}_proj.bias") for n in "qkv"]).to(dt)
+        b_qkv = b_o = qk_norm = None
+        if shape.qkv_bias:
+            b_qkv = torch.cat([get(a + "q_proj.bias") * q_scale] + [get(a + f"{n}_proj.bias") for n in "kv"]).to(dt)
+        if shape.o_bias:
             b_o = own(a + "o_proj.bias")
+        if shape.qk_norm:
+            qk_norm = torch.cat([
+                (get(a + "q_norm.weight") * scale).expand(shape.heads, -1),
+                get(a + "k_norm.weight").expand(shape.kv_heads, -1),
+            ]).to(dt)  # fmt: skip
+        q = prec.weight(get(a + "q_proj.weight"))
+        qkv = [(q if q_scale == 1.0 else q * q_scale).to(dt), lin(a + "k_proj.weight"), lin(a + "v_proj.weight")]
         layers.append(
             Layer(
                 ln1=own(p + "input_layernorm.weight"),
                 ln2=own(p + "post_attention_layernorm.weight"),
-                # the attention scale rides on q's norm weight (RoPE is linear): no pass over scores
-                qk_norm=torch.cat([
-                    (get(a + "q_norm.weight") * shape.head_dim**-0.5).expand(shape.heads, -1),
-                    get(a + "k_norm.weight").expand(shape.kv_heads, -1),
-                ]).to(dt),  # fmt: skip
-                qkv=PackedLinear.fused([lin(a + f"{n}_proj.weight") for n in "qkv"], b_qkv, batch_hint),
+                qk_norm=qk_norm,
+                qkv=PackedLinear.fused(qkv, b_qkv, batch_hint),
                 o=PackedLinear.fused([lin(a + "o_proj.weight")], b_o, batch_hint),
                 mlp=SwiGLU(lin(p + "mlp.gate_proj.weight"), lin(p + "mlp.up_proj.weight"), batch_hint),
                 down=PackedLinear.fused([lin(p + "mlp.down_proj.weight")], None, batch_hint),
@@ -265,8 +296,9 @@ def forward(
         h = rms_norm(x, L.ln1, shape.eps)
         qkv = L.qkv(_act(h, prec))  # [B, T, (Hq + 2 Hkv) D]
         heads = qkv.view(B, T, Hq + 2 * Hkv, D)
-        # q and k heads normed and rotated together (per-head weights), v untouched
-        qk = _rope(rms_norm(heads[:, :, : Hq + Hkv], L.qk_norm, shape.eps), cos, sin)
+        # q and k heads (normed with per-head weights, Qwen3) rotated together, v untouched
+        qk = heads[:, :, : Hq + Hkv]
+        qk = _rope(qk if L.qk_norm is None else rms_norm(qk, L.qk_norm, shape.eps), cos, sin)
         q, k, v = qk[:, :, :Hq], qk[:, :, Hq:], heads[:, :, Hq + Hkv :]  # [B, T, h, D]
         keys, vals = cache.write(li, col0, k.transpose(1, 2), v.transpose(1, 2))
         if T == 1:  # decode: grouped heads share their kv head, no repeat (see decode_attention)
