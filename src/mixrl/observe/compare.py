@@ -342,9 +342,7 @@ def main(args: argparse.Namespace) -> int:
     from mixrl.config.run import ConfigError
 
     if args.recompute is not None:
-        from mixrl.observe import design
-
-        return design.main(args.recompute, study_table(args.config))
+        return tables(Path(args.recompute), args.config)
     try:
         if args.resume is not None:
             _restore(args)
@@ -368,9 +366,29 @@ def main(args: argparse.Namespace) -> int:
 
     failed = execute(args.out, dirs, args.jobs, fp32_settings(args, b), args.stop_after)
     if not args.no_report:
-        from mixrl.observe import design, report
-
-        if any(split_fleet(f)[1] == "sync" for f, _, _ in runs):
-            design.main(args.out, study_table(args.config))
-        report.main(argparse.Namespace(dir=args.out, k=4))
+        tables(args.out, args.config)
     return 1 if failed else 0
+
+
+def tables(out: Path, config: Path | None) -> int:
+    """The study's judgement (``design.md``, with both modes) and the report, from ``OUT/data``
+    when the runs wrote data files (``--recompute``), else from the run directories."""
+    from mixrl.observe import design, report, studydata
+
+    study = study_table(config if config is not None else saved_config(out))
+    runs = studydata.load(out)
+    if runs and any(split_fleet(r.fleet)[1] == "sync" and r.fleet != REFERENCE_FLEET for r in runs):
+        design.main(out, study)
+    elif not runs and not list(out.glob("*/*/seed*/metrics.jsonl")):
+        print(f"mixrl compare: no data files under {out / 'data'} and no runs under {out}", flush=True)
+        return 2
+    return report.main(argparse.Namespace(dir=out, k=None), study)
+
+
+def saved_config(out: Path) -> Path | None:
+    """The config a study in ``out`` was started with (``OUT/study.json``), if any."""
+    try:
+        c = json.loads((Path(out) / "study.json").read_text())["args"].get("config")
+    except (OSError, KeyError, json.JSONDecodeError):
+        return None
+    return Path(c) if c else None

@@ -79,18 +79,18 @@ def effect(cells: dict[str, dict[str, Run]], plus: list[str], minus: list[str], 
     t, boot = paired.both(d, np.zeros_like(d), level)
     out: dict[str, Any] = {"t": t.to_dict() if t else None, "boot": boot.to_dict() if boot else None,
                            "seeds": seeds, "tasks": len(tasks)}
-    for name, f in (("reward_final", _reward_final), ("reward_fp32", _reward_fp32)):
+    for name, f in (("reward_final", reward_final), ("reward_fp32", reward_fp32)):
         v = [sum(f(cells[n][s]) for n in plus) - sum(f(cells[n][s]) for n in minus) for s in seeds]
         iv = paired.paired_t(v, level)
         out[name] = iv.to_dict() if iv else None
     return out
 
 
-def _reward_final(r: Run) -> float:
+def reward_final(r: Run) -> float:
     return r.mean("rollout/reward", last=max(1, len(r.rows) // 10))
 
 
-def _reward_fp32(r: Run) -> float:
+def reward_fp32(r: Run) -> float:
     scores = {int(s): v for s, v in (r.config.get("fp32") or {}).items() if "mean_reward" in v and int(s) > 0}
     return float(scores[max(scores)]["mean_reward"]) if scores else math.nan
 

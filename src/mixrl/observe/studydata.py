@@ -137,11 +137,21 @@ def to_run(data: dict[str, Any]) -> Run:
     ev = data["eval"]
     k = ev.get("k") or 4
     run = Run(path=Path(data["run"]["name"]), name=data["run"]["name"], rows=rows)
-    run.eval = {"per_task": ev.get("final") or {}, "k": k}
+    run.eval = {"per_task": ev.get("final") or {}, "k": k, **passk_means(ev.get("final") or {}, k)}
     run.base = {"per_task": ev["base"]} if ev.get("base") else {}
     run.config = {"runtime": {"mode": data["run"].get("mode")}, "loss": {"preset": data["run"].get("preset")},
                   "fp32": data.get("fp32") or {}}
     return run
+
+
+def passk_means(per_task: dict[str, Any], k: int) -> dict[str, float]:
+    """``pass@1`` and ``pass@k``: the unbiased estimator per task ``(n, c)``, mean over tasks."""
+    from mixrl.rollout.passk import pass_at_k
+
+    if not per_task:
+        return {}
+    return {f"pass@{j}": statistics.fmean(pass_at_k(int(n), int(c), j) for n, c in per_task.values())
+            for j in sorted({1, int(k)})}
 
 
 def load(out: Path) -> list[Run]:
