@@ -128,6 +128,21 @@ def regime(runs: list[Run], probes: dict[str, Path] | None = None) -> dict[str, 
             "toy_command": next(iter(toy.values()), {}).get("command", ""), "trained": trained_groups(runs)}
 
 
+def distance(reg: dict[str, Any]) -> str:
+    """One sentence: the study's largest training mismatch against the real model's largest probe."""
+    real = max(reg["probe"], key=lambda r: r["real_kl"] if math.isfinite(r["real_kl"]) else -1.0, default=None)
+    kl = {g: v["kl"] for g, v in reg["trained"].items() if math.isfinite(v["kl"])}
+    oob = {g: v["oob"] for g, v in reg["trained"].items() if math.isfinite(v["oob"])}
+    if real is None or not kl:
+        return ""
+    g = max(kl, key=kl.__getitem__)
+    go = max(oob, key=oob.__getitem__) if oob else g
+    return (f"Distance: the largest precision KL the study's samplers reach in training ({g}: {_f(kl[g])}) is "
+            f"{_f(real['real_kl'] / kl[g] if kl[g] > 0 else math.inf)}x below the real model's {real['profile']} "
+            f"probe ({_f(real['real_kl'])}); the largest out-of-range share ({go}: {_f(oob.get(go, math.nan))}) "
+            f"against {_f(real['real_oob'])} there.")
+
+
 def build(runs: list[Run], out: Path, study: dict[str, Any], probes: dict[str, Path] | None = None) -> dict[str, Any]:
     res = design.judge(runs, study)
     figs = plot_study(runs, Path(out) / "figures", study.get("monitor", {}))
@@ -182,7 +197,7 @@ def markdown(rep: dict[str, Any]) -> str:
                   "the study's groups compute in FP32 and its FP4/FP8 groups also quantize `lm_head`):", "",
                   "| fleet: sampler group | precision KL | share outside [0.2, 5] |", "|---|---|---|"]
         lines += [f"| {g} | {_f(v['kl'])} | {_f(v['oob'])} |" for g, v in reg["trained"].items()]
-        lines.append("")
+        lines += ["", distance(reg), ""]
     for p in rep["figures"]:
         lines += [f"![{p.stem}](figures/{p.name})", "", f"*{p.stem}: per-update curves of the "
                   f"{p.stem.split('_', 1)[1]} fleet's cells, seed bands, collapses marked*", ""]
