@@ -12,7 +12,8 @@ seconds per update and the fixed cost of a run (start-up, evaluations, FP32
 scoring) of each ``<fleet>/<arm>`` measured from runs already in OUT (data files,
 or the metrics of an interrupted run), else from a calibration (``--calibrate N``:
 seed 0 of each cell for N updates, at the same parallelism, under
-``OUT/calibration``). A run's projected time is ``fixed + steps x seconds per
+``OUT/calibration``) scaled by the median ratio of finished runs to their own
+calibration, since a calibration is short and may have met another load. A run's projected time is ``fixed + steps x seconds per
 update``; the wall time is their sum over ``jobs``.
 """
 
@@ -121,14 +122,16 @@ def kind(out: Path, run_dir: Path) -> str:
 
 def measured(out: Path) -> dict[str, dict[str, float]]:
     """Per kind: median seconds per update and fixed seconds per run, from OUT's data files,
-    then interrupted runs' metrics, then ``OUT/calibration`` runs."""
+    else interrupted runs' metrics, else ``OUT/calibration`` runs scaled by the median ratio of
+    the study's finished runs to their calibration (1 before any finishes)."""
     found: dict[str, dict[str, list[float]]] = {}
-    for root, src in ((out, "runs"), (out / "calibration", "calibration")):
+    calib: dict[str, dict[str, list[float]]] = {}
+    for root, src, into in ((out, "runs", found), (out / "calibration", "calibration", calib)):
         data_root = root / "data"
         for f in sorted(data_root.glob("**/seed*.json")) if data_root.is_dir() else []:
             d = json.loads(f.read_text())["run"]
             k = "/".join(Path(d["name"]).parts[:2])
-            e = found.setdefault(k, {"update_s": [], "fixed_s": [], "src": []})  # type: ignore[dict-item]
+            e = into.setdefault(k, {"update_s": [], "fixed_s": [], "src": []})  # type: ignore[dict-item]
             if d.get("update_s") is not None and math.isfinite(d["update_s"]):
                 e["update_s"].append(d["update_s"])
                 if d.get("wall_s") is not None:
@@ -141,10 +144,27 @@ def measured(out: Path) -> dict[str, dict[str, float]]:
         s = studydata.update_seconds(load_run(m.parent).rows)
         if math.isfinite(s):
             found[k] = {"update_s": [s], "fixed_s": [], "src": ["partial run"]}  # type: ignore[dict-item]
-    return {k: {"update_s": statistics.median(v["update_s"]),
-                "fixed_s": statistics.median(v["fixed_s"]) if v["fixed_s"] else math.nan,
-                "source": v["src"][0]}  # type: ignore[dict-item]
-            for k, v in found.items() if v["update_s"]}
+
+    def med(v: dict[str, list[float]]) -> dict[str, Any]:
+        return {"update_s": statistics.median(v["update_s"]),
+                "fixed_s": statistics.median(v["fixed_s"]) if v["fixed_s"] else math.nan, "source": v["src"][0]}
+
+    res = {k: med(v) for k, v in found.items() if v["update_s"]}
+    cal = {k: med(v) for k, v in calib.items() if v["update_s"]}
+    # a calibration is short and may have met another load: scale it by what the study's own runs
+    # took against their calibration (median ratio over the kinds measured both ways)
+    both = [k for k in cal if k in res and res[k]["source"] == "runs"]
+    f_u = statistics.median(res[k]["update_s"] / cal[k]["update_s"] for k in both) if both else 1.0
+    fx = [res[k]["fixed_s"] / cal[k]["fixed_s"] for k in both
+          if math.isfinite(res[k]["fixed_s"]) and cal[k]["fixed_s"] > 0]
+    f_x = statistics.median(fx) if fx else f_u
+    for k, m in cal.items():
+        if k not in res:
+            res[k] = {"update_s": m["update_s"] * f_u, "fixed_s": m["fixed_s"] * f_x,
+                      "source": "calibration" if not both else
+                      f"calibration x {f_u:.2f} (s/update) and x {f_x:.2f} (fixed): runs / calibration, "
+                      f"{len(both)} kind(s)"}
+    return res
 
 
 def projection(out: Path, runs: list[Path], steps: int, jobs: int) -> dict[str, Any]:
