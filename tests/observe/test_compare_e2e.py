@@ -52,3 +52,43 @@ def test_tiny_study_produces_the_report(tmp_path, capsys):
             f.unlink()
     assert compare.main(_args("--recompute", str(out))) == 0
     assert (out / "design.json").read_text() == before
+
+
+@pytest.mark.slow  # one real run, stopped after its first updates
+def test_sigterm_stops_the_study_cleanly(tmp_path, capsys):
+    import os
+    import signal
+    import threading
+    import time
+
+    from mixrl.observe import studyrun
+    from mixrl.train.checkpoint import list_checkpoints
+
+    out = tmp_path / "study"
+    args = _args("--budget", "study", "--fleets", "mixed", "--arms", "grpo", "--modes", "sync", "--seeds", "2",
+                 "--steps", "150", "--eval-tasks", "2", "--eval-n", "5", "--out", str(out),
+                 "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=4")
+    runs = [d for _, _, d in compare.plan(args)][:2]  # mixed-sync/grpo seed0, seed1
+    assert [r.name for r in runs] == ["seed0", "seed1"]
+    seen = {}
+
+    def stop_after_two_updates():
+        end = time.time() + 600
+        m = runs[0] / "metrics.jsonl"
+        while time.time() < end:
+            if m.exists() and len(m.read_text().splitlines()) >= 2:
+                seen["steps"] = len(m.read_text().splitlines())
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.5)
+
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Thread(target=stop_after_two_updates, daemon=True).start()
+    failed = studyrun.execute(out, runs, jobs=1, fp32={"enabled": False})
+    text = capsys.readouterr().out
+    assert failed == [] and seen["steps"] >= 2, text
+    assert "interrupted after" in text and "not started (stopped)" in text
+    summary = json.loads((runs[0] / "summary.json").read_text())
+    assert summary["interrupted"] is True and not studyrun.finished(runs[0])
+    assert list_checkpoints(runs[0]) and not runs[1].exists()
+    assert signal.getsignal(signal.SIGTERM) == before  # the study's handlers are gone afterwards

@@ -13,7 +13,9 @@ starting policy is evaluated once, in the first run. The comparison is
 resumable: finished runs (``summary.json`` of an uninterrupted run) are skipped,
 interrupted ones resume from their last checkpoint. Runs go as separate
 processes, ``--jobs`` at a time, each with ``cores // jobs`` torch threads,
-seed 0 of every cell first. At the end the report (``mixrl report OUT``) is written.
+seed 0 of every cell first (in a 2 x 2 study, the homogeneous fleet's cells after
+every seed of the others). ``kill -TERM`` (or Ctrl-C) stops a study cleanly: no
+run starts, the runs in flight save a checkpoint and stop, ``--resume`` continues. At the end the report (``mixrl report OUT``) is written.
 
 Precision and lag are separated by the scheduling mode: with ``--modes sync,async``
 each fleet runs in ``runtime.mode = "sync"`` (staleness 0: the samplers' numerics
@@ -230,13 +232,17 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, Path]]:
             cells.append((REFERENCE_FLEET, arm))
         else:
             cells += [(fleet_dir(f, m, modes), arm) for f in fleets for m in modes]
+    # with both modes, the homogeneous fleet (which only F3 reads) runs after every seed of the
+    # others, so a study cut short has the stress and mixed effects first
+    late = [c for c in cells if "sync" in modes and split_fleet(c[0])[0] == "homogeneous"]
     out = []
-    for seed in range(int(b["seeds"])):  # type: ignore[call-overload]
-        for fleet, arm in cells:
-            run_dir = args.out / fleet / arm / f"seed{seed}"
-            cfg = _arm_config(base, arm, fleet, seed, run_dir, b, first=not out)
-            side_file(run_dir, "configs", ".toml").write_text(runcfg.to_toml(cfg) + "\n")
-            out.append((fleet, arm, run_dir))
+    for tier in ([c for c in cells if c not in late], late):
+        for seed in range(int(b["seeds"])):  # type: ignore[call-overload]
+            for fleet, arm in tier:
+                run_dir = args.out / fleet / arm / f"seed{seed}"
+                cfg = _arm_config(base, arm, fleet, seed, run_dir, b, first=not out)
+                side_file(run_dir, "configs", ".toml").write_text(runcfg.to_toml(cfg) + "\n")
+                out.append((fleet, arm, run_dir))
     return out
 
 

@@ -5,7 +5,8 @@
 one continues from its last checkpoint (``mixrl train --resume``). When a run
 ends, its checkpoints are scored under the common FP32 sampler and its data file
 is written (``observe/studydata.py``). ``--stop-after MIN`` launches no run after
-MIN minutes, so a sitting ends between runs.
+MIN minutes, so a sitting ends between runs; SIGTERM (``kill PID``) or Ctrl-C ends
+it now: no run starts and the runs in flight save a checkpoint and stop.
 
 ``projection`` says what the remaining runs will cost before any starts: the
 seconds per update and the fixed cost of a run (start-up, evaluations, FP32
@@ -22,9 +23,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -65,7 +68,42 @@ def train(run_dir: Path, threads: int, config: Path | None = None) -> int:
     cmd += ["--set", f"runtime.torch_threads={threads}"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with open(side_file(run_dir, "logs", ".log"), "a") as log:
-        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with _LOCK:
+            if STOP.is_set():
+                return INTERRUPTED
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            _RUNNING.add(p)
+        try:
+            return p.wait()
+        finally:
+            with _LOCK:
+                _RUNNING.discard(p)
+
+
+# Stopping a study cleanly: SIGTERM or SIGINT while ``execute`` runs sets STOP (no run starts);
+# SIGTERM also passes SIGINT to the runs in flight (Ctrl-C reaches them from the terminal),
+# which save a checkpoint and exit with INTERRUPTED.
+STOP = threading.Event()
+INTERRUPTED = 130
+_RUNNING: set[subprocess.Popen] = set()
+_LOCK = threading.Lock()
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    STOP.set()
+    if signum == signal.SIGTERM:
+        for p in list(_RUNNING):
+            p.send_signal(signal.SIGINT)
+
+
+def _handlers(install: bool, old: dict[int, Any]) -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    if install:
+        return {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, h in old.items():
+        signal.signal(sig, h)
+    return {}
 
 
 def run_one(out: Path, run_dir: Path, threads: int, fp32: dict[str, Any], base: bool) -> tuple[int, float]:
@@ -93,23 +131,33 @@ def execute(out: Path, runs: list[Path], jobs: int, fp32: dict[str, Any],
 
     def one(i: int) -> tuple[Path, int, float, bool]:
         r = runs[i]
-        if stop_after_min is not None and time.time() - t0 > 60 * stop_after_min:
+        if STOP.is_set() or (stop_after_min is not None and time.time() - t0 > 60 * stop_after_min):
             return r, 0, 0.0, False
         rc, dt = run_one(out, r, threads, fp32, base=(i == 0))
         return r, rc, dt, True
 
-    with ThreadPoolExecutor(jobs) as pool:
-        for r, rc, dt, started in pool.map(one, range(len(runs))):
-            if not started:
-                print(f"  {r}: not started (--stop-after); continue with --resume", flush=True)
-                continue
-            if dt < 0:
-                print(f"  {r}: already done", flush=True)
-                continue
-            status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {side_file(r, 'logs', '.log')})"
-            print(f"  {r}: {status} in {dt:.0f} s", flush=True)
-            if rc != 0:
-                failed.append(r)
+    STOP.clear()
+    old = _handlers(True, {})
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            for r, rc, dt, started in pool.map(one, range(len(runs))):
+                if not started:
+                    why = "stopped" if STOP.is_set() else "--stop-after"
+                    print(f"  {r}: not started ({why}); continue with --resume", flush=True)
+                    continue
+                if dt < 0:
+                    print(f"  {r}: already done", flush=True)
+                    continue
+                if rc == INTERRUPTED and STOP.is_set():
+                    print(f"  {r}: interrupted after {dt:.0f} s, checkpoint saved; continue with --resume",
+                          flush=True)
+                    continue
+                status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {side_file(r, 'logs', '.log')})"
+                print(f"  {r}: {status} in {dt:.0f} s", flush=True)
+                if rc != 0:
+                    failed.append(r)
+    finally:
+        _handlers(False, old)
     print(f"compare wall time: {time.time() - t0:.0f} s (load average {os.getloadavg()[0]:.1f})")
     return failed
 
