@@ -93,3 +93,16 @@ def test_resume_restores_the_settings(tmp_path, capsys):
     assert compare.main(missing) == 2
     assert "study.json not found" in capsys.readouterr().err
     assert compare.main(_args(tmp_path, "--modes", "later")) == 2
+
+
+def test_study_runs_homogeneous_last(tmp_path):
+    """Seed-major within two tiers: the stress, mixed and reference cells for every seed first."""
+    runs = compare.plan(_args(tmp_path, "--budget", "study", "--steps", "5"))
+    names = [f"{f}/{a}/{d.name}" for f, a, d in runs]
+    assert len(names) == 39 and len(set(names)) == 39 and names[0] == "mixed-sync/grpo/seed0"
+    first_homogeneous = next(i for i, n in enumerate(names) if n.startswith("homogeneous"))
+    assert first_homogeneous == 27 and all(n.startswith("homogeneous") for n in names[27:])
+    assert [n.rsplit("/", 1)[1] for n in names[:27]] == [f"seed{s}" for s in range(3) for _ in range(9)]
+    assert _cfg(tmp_path, "mixed-sync", "grpo", 0)["runtime"]["eval"]["base"] is True
+    default = compare.plan(_args(tmp_path / "d", "--seeds", "1"))  # one mode: the order is unchanged
+    assert [f for f, _, _ in default][:3] == ["mixed", "homogeneous", "stress"]

@@ -169,3 +169,21 @@ def test_fp32_score_runs_the_real_evaluation(tmp_path):
     assert res["profile"] == "fp32" and 0.0 <= res["mean_reward"] <= 1.0, res
     assert len(res["per_task"]) == 2 and all(v[0] == 2 for v in res["per_task"].values())
     assert "error" in studydata.fp32_score(tmp_path / "no-such-model", tmp_path, 2, 2, 5)
+
+
+def test_projection_scales_the_calibration_by_the_runs(tmp_path):
+    """A kind measured only by the calibration is projected at its calibration times the median
+    ratio finished runs / their calibration."""
+    cal = tmp_path / "calibration"
+    for kind, per in (("mixed-sync/grpo", 1.0), ("stress-sync/grpo", 2.0)):
+        _write(cal, f"{kind}/seed0", {"t0": [4, 1]}, _rows(0.3, n=3))
+        f = cal / "data" / kind / "seed0.json"
+        d = json.loads(f.read_text())
+        d["run"].update(update_s=per, wall_s=3 * per + 10.0)
+        f.write_text(json.dumps(d))
+    _write(tmp_path, "mixed-sync/grpo/seed0", {"t0": [4, 1]}, _rows(0.3, n=10))  # 1.5 s/update, wall 50
+    m = studyrun.measured(tmp_path)
+    assert m["mixed-sync/grpo"] == {"update_s": 1.5, "fixed_s": 50.0 - 15.0, "source": "runs"}
+    assert m["stress-sync/grpo"]["update_s"] == pytest.approx(2.0 * 1.5)
+    assert m["stress-sync/grpo"]["fixed_s"] == pytest.approx(10.0 * 35.0 / 10.0)
+    assert m["stress-sync/grpo"]["source"].startswith("calibration x 1.50")

@@ -13,7 +13,9 @@ starting policy is evaluated once, in the first run. The comparison is
 resumable: finished runs (``summary.json`` of an uninterrupted run) are skipped,
 interrupted ones resume from their last checkpoint. Runs go as separate
 processes, ``--jobs`` at a time, each with ``cores // jobs`` torch threads,
-seed 0 of every cell first. At the end the report (``mixrl report OUT``) is written.
+seed 0 of every cell first (in a 2 x 2 study, the homogeneous fleet's cells after
+every seed of the others). ``kill -TERM`` (or Ctrl-C) stops a study cleanly: no
+run starts, the runs in flight save a checkpoint and stop, ``--resume`` continues. At the end the report (``mixrl report OUT``) is written.
 
 Precision and lag are separated by the scheduling mode: with ``--modes sync,async``
 each fleet runs in ``runtime.mode = "sync"`` (staleness 0: the samplers' numerics
@@ -230,13 +232,17 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str, Path]]:
             cells.append((REFERENCE_FLEET, arm))
         else:
             cells += [(fleet_dir(f, m, modes), arm) for f in fleets for m in modes]
+    # with both modes, the homogeneous fleet (which only F3 reads) runs after every seed of the
+    # others, so a study cut short has the stress and mixed effects first
+    late = [c for c in cells if "sync" in modes and split_fleet(c[0])[0] == "homogeneous"]
     out = []
-    for seed in range(int(b["seeds"])):  # type: ignore[call-overload]
-        for fleet, arm in cells:
-            run_dir = args.out / fleet / arm / f"seed{seed}"
-            cfg = _arm_config(base, arm, fleet, seed, run_dir, b, first=not out)
-            side_file(run_dir, "configs", ".toml").write_text(runcfg.to_toml(cfg) + "\n")
-            out.append((fleet, arm, run_dir))
+    for tier in ([c for c in cells if c not in late], late):
+        for seed in range(int(b["seeds"])):  # type: ignore[call-overload]
+            for fleet, arm in tier:
+                run_dir = args.out / fleet / arm / f"seed{seed}"
+                cfg = _arm_config(base, arm, fleet, seed, run_dir, b, first=not out)
+                side_file(run_dir, "configs", ".toml").write_text(runcfg.to_toml(cfg) + "\n")
+                out.append((fleet, arm, run_dir))
     return out
 
 
@@ -342,9 +348,7 @@ def main(args: argparse.Namespace) -> int:
     from mixrl.config import ConfigError
 
     if args.recompute is not None:
-        from mixrl.observe import design
-
-        return design.main(args.recompute, study_table(args.config))
+        return tables(Path(args.recompute), args.config)
     try:
         if args.resume is not None:
             _restore(args)
@@ -368,9 +372,29 @@ def main(args: argparse.Namespace) -> int:
 
     failed = execute(args.out, dirs, args.jobs, fp32_settings(args, b), args.stop_after)
     if not args.no_report:
-        from mixrl.observe import design, report
-
-        if any(split_fleet(f)[1] == "sync" for f, _, _ in runs):
-            design.main(args.out, study_table(args.config))
-        report.main(argparse.Namespace(dir=args.out, k=4))
+        tables(args.out, args.config)
     return 1 if failed else 0
+
+
+def tables(out: Path, config: Path | None) -> int:
+    """The study's judgement (``design.md``, with both modes) and the report, from ``OUT/data``
+    when the runs wrote data files (``--recompute``), else from the run directories."""
+    from mixrl.observe import design, report, studydata
+
+    study = study_table(config if config is not None else saved_config(out))
+    runs = studydata.load(out)
+    if runs and any(split_fleet(r.fleet)[1] == "sync" and r.fleet != REFERENCE_FLEET for r in runs):
+        design.main(out, study)
+    elif not runs and not list(out.glob("*/*/seed*/metrics.jsonl")):
+        print(f"mixrl compare: no data files under {out / 'data'} and no runs under {out}", flush=True)
+        return 2
+    return report.main(argparse.Namespace(dir=out, k=None), study)
+
+
+def saved_config(out: Path) -> Path | None:
+    """The config a study in ``out`` was started with (``OUT/study.json``), if any."""
+    try:
+        c = json.loads((Path(out) / "study.json").read_text())["args"].get("config")
+    except (OSError, KeyError, json.JSONDecodeError):
+        return None
+    return Path(c) if c else None

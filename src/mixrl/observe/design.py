@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from mixrl.observe import keys as K
 from mixrl.observe import paired, studydata
 from mixrl.observe.monitor import monitor_config, replay
 from mixrl.observe.runs import Run
@@ -79,18 +80,18 @@ def effect(cells: dict[str, dict[str, Run]], plus: list[str], minus: list[str], 
     t, boot = paired.both(d, np.zeros_like(d), level)
     out: dict[str, Any] = {"t": t.to_dict() if t else None, "boot": boot.to_dict() if boot else None,
                            "seeds": seeds, "tasks": len(tasks)}
-    for name, f in (("reward_final", _reward_final), ("reward_fp32", _reward_fp32)):
+    for name, f in (("reward_final", reward_final), ("reward_fp32", reward_fp32)):
         v = [sum(f(cells[n][s]) for n in plus) - sum(f(cells[n][s]) for n in minus) for s in seeds]
         iv = paired.paired_t(v, level)
         out[name] = iv.to_dict() if iv else None
     return out
 
 
-def _reward_final(r: Run) -> float:
-    return r.mean("rollout/reward", last=max(1, len(r.rows) // 10))
+def reward_final(r: Run) -> float:
+    return r.mean(K.REWARD, last=max(1, len(r.rows) // 10))
 
 
-def _reward_fp32(r: Run) -> float:
+def reward_fp32(r: Run) -> float:
     scores = {int(s): v for s, v in (r.config.get("fp32") or {}).items() if "mean_reward" in v and int(s) > 0}
     return float(scores[max(scores)]["mean_reward"]) if scores else math.nan
 
@@ -115,19 +116,20 @@ def collapses(cell: dict[str, Run], mon: dict[str, Any]) -> int:
 def _group_shares(r: Run) -> dict[str, dict[str, float]]:
     """Per group: staleness-0 oob tokens (count), precision KL (token-weighted), sample share."""
     out = {}
-    kl = "precision/kl_exact" if any(k.startswith("precision/kl_exact/") for row in r.rows for k in row) \
-        else "precision/kl_k3"
+    exact, k3 = K.split(K.PRECISION, K.KL_EXACT), K.split(K.PRECISION, K.KL_K3)
+    kl = exact if any(k.startswith(exact + "/") for row in r.rows for k in row) else k3
+    tokens, oob_key = K.split(K.PRECISION, K.TOKENS), K.PRECISION_OOB
     for g in r.groups():
         oob = toks = klsum = 0.0
         for row in r.rows:
             # token-weighted; metrics written without per-group token counts weigh steps equally
-            n = row.get(f"precision/tokens/{g}", 1.0 if f"precision/ratio_oob/{g}" in row else 0.0) or 0.0
+            n = row.get(f"{tokens}/{g}", 1.0 if f"{oob_key}/{g}" in row else 0.0) or 0.0
             if n:
                 toks += n
-                oob += (row.get(f"precision/ratio_oob/{g}") or 0.0) * n
+                oob += (row.get(f"{oob_key}/{g}") or 0.0) * n
                 klsum += (row.get(f"{kl}/{g}") or 0.0) * n
         out[g] = {"oob": oob, "kl": klsum / toks if toks else math.nan,
-                  "share": r.mean(f"share/samples/{g}")}
+                  "share": r.mean(f"{K.SAMPLE_SHARE}/{g}")}
     return out
 
 

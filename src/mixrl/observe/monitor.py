@@ -38,9 +38,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-KL_KEYS = ("precision/kl_exact", "precision/kl_k3", "mismatch/kl_exact", "mismatch/kl_k3")
-REWARD_KEY = "rollout/reward"
-FORMAT_KEY = "rollout/format_error_end"
+from mixrl.observe import keys as K
+
+KL_KEYS = K.PRECISION_KL
+REWARD_KEY = K.REWARD
+FORMAT_KEY = K.FORMAT_END
 SIGNALS = ("reward_drop", "kl_growth", "format_errors")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+from mixrl.observe import keys as K
 from mixrl.observe.runs import Run
 
 PANELS: tuple[tuple[str, str], ...] = (
@@ -38,7 +39,7 @@ def kl_key(run: Run) -> str:
     """The one KL of every arm: exact where the support was recorded, else k3 (k1 is too noisy),
     over staleness-0 tokens (``precision/``, docs/corrections.md section 10); ``mismatch/``
     only for runs written before the split."""
-    for k in ("precision/kl_exact", "precision/kl_k3", "mismatch/kl_exact", "mismatch/kl_k3"):
+    for k in K.PRECISION_KL:
         if run.series(k)[1]:
             return k
     return "mismatch/kl_k3"

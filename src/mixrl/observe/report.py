@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from mixrl.observe import studydata, studyreport
 from mixrl.observe.findings import COST_SOURCE, Finding, cell_table, hard_set, judge, summarize
 from mixrl.observe.plots import (
     plot_curves,
@@ -114,9 +115,16 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
-def build(dir_: Path, k: int | None = None) -> dict[str, Any]:
-    runs = load_runs(dir_)
+def load(dir_: Path) -> list[Run]:
+    """A study's runs from its per-run data files (``DIR/data``: what is committed) when it has
+    them, else the run directories."""
+    return studydata.load(dir_) or load_runs(dir_)
+
+
+def build(dir_: Path, k: int | None = None, study: dict[str, Any] | None = None) -> dict[str, Any]:
+    runs = load(dir_)
     k = evaluated_k(runs) if k is None else k
+    two_by_two = studyreport.is_study(runs)
     figs_dir = dir_ / "figures"
     figs_dir.mkdir(exist_ok=True)
     figures = [plot_curves(runs, figs_dir)]
@@ -130,12 +138,14 @@ def build(dir_: Path, k: int | None = None) -> dict[str, Any]:
     if (t := plot_timelines(runs, figs_dir)) is not None:
         figures.append(t)
     rows = [summarize(r, k) for r in runs]
-    table = cell_table(runs, k) if len(runs) > 1 else []
-    findings = judge(runs, k) if len(runs) > 1 else []
+    # the 2 x 2 study is read by its own section (paired effects per fleet), not per arm
+    table = cell_table(runs, k) if len(runs) > 1 and not two_by_two else []
+    findings = judge(runs, k) if len(runs) > 1 and not two_by_two else []
+    st = studyreport.build(runs, dir_, study or {}) if two_by_two else None
     episodes = [(r.name, e) for r in runs for e in r.episodes[-4:]] if len(runs) == 1 else []
     return {"runs": runs, "rows": rows, "findings": findings, "figures": figures, "k": k,
             "evals": eval_rows(runs, k), "episodes": episodes, "cells": table,
-            "hard": len(hard_set(runs)),
+            "hard": len(hard_set(runs)), "study": st,
             "precision_lag": (focus_pl.name, precision_lag_means(focus_pl)) if pl is not None else None}
 
 
@@ -162,6 +172,8 @@ def markdown(dir_: Path, rep: dict[str, Any], k: int) -> str:
     lines += [f"- **{c}**: {COLUMN_HELP[c if c != f'pass@{k}' else 'pass@4']}" for c in cols]
     lines += ["", "Costs are modelled (list prices by default); KL is the exact KL where the support "
               "is recorded, else k3.", ""]
+    if rep["study"]:
+        lines += [studyreport.markdown(rep["study"]), ""]
     if rep["cells"]:
         ccols = list(rep["cells"][0])
         lines += ["## Per arm: mean over seeds [95% bootstrap interval]", "",
@@ -245,6 +257,13 @@ def render_html(dir_: Path, rep: dict[str, Any], k: int) -> str:
                 + "".join(f"<th>{html.escape(c)}</th>" for c in pcols) + "</tr>"
                 + "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c, '')))}</td>" for c in pcols) + "</tr>"
                           for r in prow) + "</table>")
+    if rep["study"]:
+        from markdown_it import MarkdownIt
+
+        md = studyreport.markdown(rep["study"])
+        for p in rep["study"]["figures"]:  # the figures travel inside the file
+            md = md.replace(f"(figures/{p.name})", f"(data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()})")
+        cells = MarkdownIt("commonmark").enable("table").render(md) + cells
     eps = "".join(
         f"<h3>step {e.get('step')}, {html.escape(str(e.get('prompt_id')))}: reward {e.get('reward')}, "
         f"status {html.escape(str(e.get('status')))}, {e.get('turns')} turn(s)</h3>"
@@ -268,13 +287,19 @@ def _finding_html(f: Finding) -> str:
             f"</span>.</b> {html.escape(f.evidence)}</li>")
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, study: dict[str, Any] | None = None) -> int:
+    """``study``: the ``[study]`` table (the collapse monitor's settings, the F3 margin); by
+    default the one of the config a study in DIR was started with."""
     dir_ = Path(args.dir)
+    if study is None:
+        from mixrl.observe.compare import saved_config, study_table
+
+        study = study_table(saved_config(dir_))
     if not dir_.is_dir():
         print(f"mixrl report: {dir_} is not a directory")
         return 2
     try:
-        rep = build(dir_, args.k)
+        rep = build(dir_, args.k, study)
     except FileNotFoundError as e:
         print(f"mixrl report: {e}")
         return 2

@@ -29,12 +29,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mixrl.observe import keys as K
 from mixrl.observe.runs import Run, load_run
 
-STEP_KEYS = ("rollout/reward", "rollout/length", "rollout/format_error_end", "rollout/empty_last_reply",
-             "rollout/staleness_mean", "optim/grad_norm", "policy/entropy", "mismatch/kl_k3",
-             "mismatch/kl_exact", "mismatch/ratio_oob", "cost/cumulative", "time")
-GROUP_PREFIXES = ("precision/", "lag/", "share/")
+STEP_KEYS = (K.REWARD, K.LENGTH, K.FORMAT_END, K.EMPTY_END, K.STALENESS, K.STALENESS_MAX, K.GRAD_NORM,
+             K.ENTROPY, K.split(K.MISMATCH, K.KL_K3), K.split(K.MISMATCH, K.KL_EXACT),
+             K.split(K.MISMATCH, K.RATIO_OOB), K.COST, K.TIME)
+GROUP_PREFIXES = (K.PRECISION + "/", K.LAG + "/", K.SHARE + "/")
 
 
 def _round(v: Any) -> Any:
@@ -51,15 +52,15 @@ def step_columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
     cols: dict[str, list[Any]] = {"step": [int(r.get("step", i + 1)) for i, r in enumerate(rows)]}
     for k in keys:
         cols[k] = [_round(r.get(k)) for r in rows]
-    if "time" in cols:  # seconds since the run's start, 0.1 s is enough
-        t0 = next((t for t in cols["time"] if t is not None), 0.0)
-        cols["time"] = [None if t is None else round(t - t0, 1) for t in cols["time"]]
+    if K.TIME in cols:  # seconds since the run's start, 0.1 s is enough
+        t0 = next((t for t in cols[K.TIME] if t is not None), 0.0)
+        cols[K.TIME] = [None if t is None else round(t - t0, 1) for t in cols[K.TIME]]
     return cols
 
 
 def update_seconds(rows: list[dict[str, Any]]) -> float:
     """Median wall seconds between consecutive updates (NaN under 3 steps)."""
-    ts = [float(r["time"]) for r in rows if isinstance(r.get("time"), int | float)]
+    ts = [float(r[K.TIME]) for r in rows if isinstance(r.get(K.TIME), int | float)]
     gaps = [b - a for a, b in zip(ts, ts[1:], strict=False) if b >= a]
     return statistics.median(gaps) if len(gaps) >= 2 else math.nan
 
@@ -136,11 +137,21 @@ def to_run(data: dict[str, Any]) -> Run:
     ev = data["eval"]
     k = ev.get("k") or 4
     run = Run(path=Path(data["run"]["name"]), name=data["run"]["name"], rows=rows)
-    run.eval = {"per_task": ev.get("final") or {}, "k": k}
+    run.eval = {"per_task": ev.get("final") or {}, "k": k, **passk_means(ev.get("final") or {}, k)}
     run.base = {"per_task": ev["base"]} if ev.get("base") else {}
     run.config = {"runtime": {"mode": data["run"].get("mode")}, "loss": {"preset": data["run"].get("preset")},
                   "fp32": data.get("fp32") or {}}
     return run
+
+
+def passk_means(per_task: dict[str, Any], k: int) -> dict[str, float]:
+    """``pass@1`` and ``pass@k``: the unbiased estimator per task ``(n, c)``, mean over tasks."""
+    from mixrl.rollout.passk import pass_at_k
+
+    if not per_task:
+        return {}
+    return {f"pass@{j}": statistics.fmean(pass_at_k(int(n), int(c), j) for n, c in per_task.values())
+            for j in sorted({1, int(k)})}
 
 
 def load(out: Path) -> list[Run]:

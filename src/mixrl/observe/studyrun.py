@@ -5,14 +5,16 @@
 one continues from its last checkpoint (``mixrl train --resume``). When a run
 ends, its checkpoints are scored under the common FP32 sampler and its data file
 is written (``observe/studydata.py``). ``--stop-after MIN`` launches no run after
-MIN minutes, so a sitting ends between runs.
+MIN minutes, so a sitting ends between runs; SIGTERM (``kill PID``) or Ctrl-C ends
+it now: no run starts and the runs in flight save a checkpoint and stop.
 
 ``projection`` says what the remaining runs will cost before any starts: the
 seconds per update and the fixed cost of a run (start-up, evaluations, FP32
 scoring) of each ``<fleet>/<arm>`` measured from runs already in OUT (data files,
 or the metrics of an interrupted run), else from a calibration (``--calibrate N``:
 seed 0 of each cell for N updates, at the same parallelism, under
-``OUT/calibration``). A run's projected time is ``fixed + steps x seconds per
+``OUT/calibration``) scaled by the median ratio of finished runs to their own
+calibration, since a calibration is short and may have met another load. A run's projected time is ``fixed + steps x seconds per
 update``; the wall time is their sum over ``jobs``.
 """
 
@@ -21,9 +23,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,7 +68,42 @@ def train(run_dir: Path, threads: int, config: Path | None = None) -> int:
     cmd += ["--set", f"runtime.torch_threads={threads}"]
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     with open(side_file(run_dir, "logs", ".log"), "a") as log:
-        return subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        with _LOCK:
+            if STOP.is_set():
+                return INTERRUPTED
+            p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            _RUNNING.add(p)
+        try:
+            return p.wait()
+        finally:
+            with _LOCK:
+                _RUNNING.discard(p)
+
+
+# Stopping a study cleanly: SIGTERM or SIGINT while ``execute`` runs sets STOP (no run starts);
+# SIGTERM also passes SIGINT to the runs in flight (Ctrl-C reaches them from the terminal),
+# which save a checkpoint and exit with INTERRUPTED.
+STOP = threading.Event()
+INTERRUPTED = 130
+_RUNNING: set[subprocess.Popen] = set()
+_LOCK = threading.Lock()
+
+
+def _on_signal(signum: int, _frame: Any) -> None:
+    STOP.set()
+    if signum == signal.SIGTERM:
+        for p in list(_RUNNING):
+            p.send_signal(signal.SIGINT)
+
+
+def _handlers(install: bool, old: dict[int, Any]) -> dict[int, Any]:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    if install:
+        return {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig, h in old.items():
+        signal.signal(sig, h)
+    return {}
 
 
 def run_one(out: Path, run_dir: Path, threads: int, fp32: dict[str, Any], base: bool) -> tuple[int, float]:
@@ -92,23 +131,33 @@ def execute(out: Path, runs: list[Path], jobs: int, fp32: dict[str, Any],
 
     def one(i: int) -> tuple[Path, int, float, bool]:
         r = runs[i]
-        if stop_after_min is not None and time.time() - t0 > 60 * stop_after_min:
+        if STOP.is_set() or (stop_after_min is not None and time.time() - t0 > 60 * stop_after_min):
             return r, 0, 0.0, False
         rc, dt = run_one(out, r, threads, fp32, base=(i == 0))
         return r, rc, dt, True
 
-    with ThreadPoolExecutor(jobs) as pool:
-        for r, rc, dt, started in pool.map(one, range(len(runs))):
-            if not started:
-                print(f"  {r}: not started (--stop-after); continue with --resume", flush=True)
-                continue
-            if dt < 0:
-                print(f"  {r}: already done", flush=True)
-                continue
-            status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {side_file(r, 'logs', '.log')})"
-            print(f"  {r}: {status} in {dt:.0f} s", flush=True)
-            if rc != 0:
-                failed.append(r)
+    STOP.clear()
+    old = _handlers(True, {})
+    try:
+        with ThreadPoolExecutor(jobs) as pool:
+            for r, rc, dt, started in pool.map(one, range(len(runs))):
+                if not started:
+                    why = "stopped" if STOP.is_set() else "--stop-after"
+                    print(f"  {r}: not started ({why}); continue with --resume", flush=True)
+                    continue
+                if dt < 0:
+                    print(f"  {r}: already done", flush=True)
+                    continue
+                if rc == INTERRUPTED and STOP.is_set():
+                    print(f"  {r}: interrupted after {dt:.0f} s, checkpoint saved; continue with --resume",
+                          flush=True)
+                    continue
+                status = "ok" if rc == 0 else f"FAILED (exit {rc}, see {side_file(r, 'logs', '.log')})"
+                print(f"  {r}: {status} in {dt:.0f} s", flush=True)
+                if rc != 0:
+                    failed.append(r)
+    finally:
+        _handlers(False, old)
     print(f"compare wall time: {time.time() - t0:.0f} s (load average {os.getloadavg()[0]:.1f})")
     return failed
 
@@ -121,14 +170,16 @@ def kind(out: Path, run_dir: Path) -> str:
 
 def measured(out: Path) -> dict[str, dict[str, float]]:
     """Per kind: median seconds per update and fixed seconds per run, from OUT's data files,
-    then interrupted runs' metrics, then ``OUT/calibration`` runs."""
+    else interrupted runs' metrics, else ``OUT/calibration`` runs scaled by the median ratio of
+    the study's finished runs to their calibration (1 before any finishes)."""
     found: dict[str, dict[str, list[float]]] = {}
-    for root, src in ((out, "runs"), (out / "calibration", "calibration")):
+    calib: dict[str, dict[str, list[float]]] = {}
+    for root, src, into in ((out, "runs", found), (out / "calibration", "calibration", calib)):
         data_root = root / "data"
         for f in sorted(data_root.glob("**/seed*.json")) if data_root.is_dir() else []:
             d = json.loads(f.read_text())["run"]
             k = "/".join(Path(d["name"]).parts[:2])
-            e = found.setdefault(k, {"update_s": [], "fixed_s": [], "src": []})  # type: ignore[dict-item]
+            e = into.setdefault(k, {"update_s": [], "fixed_s": [], "src": []})  # type: ignore[dict-item]
             if d.get("update_s") is not None and math.isfinite(d["update_s"]):
                 e["update_s"].append(d["update_s"])
                 if d.get("wall_s") is not None:
@@ -141,10 +192,27 @@ def measured(out: Path) -> dict[str, dict[str, float]]:
         s = studydata.update_seconds(load_run(m.parent).rows)
         if math.isfinite(s):
             found[k] = {"update_s": [s], "fixed_s": [], "src": ["partial run"]}  # type: ignore[dict-item]
-    return {k: {"update_s": statistics.median(v["update_s"]),
-                "fixed_s": statistics.median(v["fixed_s"]) if v["fixed_s"] else math.nan,
-                "source": v["src"][0]}  # type: ignore[dict-item]
-            for k, v in found.items() if v["update_s"]}
+
+    def med(v: dict[str, list[float]]) -> dict[str, Any]:
+        return {"update_s": statistics.median(v["update_s"]),
+                "fixed_s": statistics.median(v["fixed_s"]) if v["fixed_s"] else math.nan, "source": v["src"][0]}
+
+    res = {k: med(v) for k, v in found.items() if v["update_s"]}
+    cal = {k: med(v) for k, v in calib.items() if v["update_s"]}
+    # a calibration is short and may have met another load: scale it by what the study's own runs
+    # took against their calibration (median ratio over the kinds measured both ways)
+    both = [k for k in cal if k in res and res[k]["source"] == "runs"]
+    f_u = statistics.median(res[k]["update_s"] / cal[k]["update_s"] for k in both) if both else 1.0
+    fx = [res[k]["fixed_s"] / cal[k]["fixed_s"] for k in both
+          if math.isfinite(res[k]["fixed_s"]) and cal[k]["fixed_s"] > 0]
+    f_x = statistics.median(fx) if fx else f_u
+    for k, m in cal.items():
+        if k not in res:
+            res[k] = {"update_s": m["update_s"] * f_u, "fixed_s": m["fixed_s"] * f_x,
+                      "source": "calibration" if not both else
+                      f"calibration x {f_u:.2f} (s/update) and x {f_x:.2f} (fixed): runs / calibration, "
+                      f"{len(both)} kind(s)"}
+    return res
 
 
 def projection(out: Path, runs: list[Path], steps: int, jobs: int) -> dict[str, Any]:
