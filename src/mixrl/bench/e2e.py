@@ -323,7 +323,7 @@ def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int,
 
 def main(args: argparse.Namespace) -> int:
     # Everything the runs print goes to stderr: with --json, stdout is one JSON object.
-    from mixrl.config.run import ConfigError
+    from mixrl.config import ConfigError
 
     with contextlib.redirect_stdout(sys.stderr):
         try:
@@ -348,7 +348,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _measure_all(args: argparse.Namespace, mem: Any) -> dict[str, Any]:
-    from mixrl.config.run import load_config
+    from mixrl.config import load_config
     from mixrl.models.policy import resolve
 
     out_root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="mixrl-bench-e2e-"))
