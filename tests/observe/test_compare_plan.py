@@ -76,8 +76,36 @@ def test_real_budget_takes_any_model_path(tmp_path, capsys):
     assert {f for f, _, _ in runs} == {"mixed-sync", "reference"}
     cfg = _cfg(tmp_path, "mixed-sync", "sc+mis+top-p", 0)
     assert cfg["model"]["path"] == "/models/any-135m" and cfg["runtime"]["mode"] == "sync"
-    assert cfg["trainer"]["lora"]["rank"] == 16
+    assert cfg["trainer"]["lora"]["rank"] == 8 and cfg["optim"]["lr"] == 2e-4
+    assert cfg["runtime"]["steps"] == 10
     assert _cfg(tmp_path, "reference", "on-policy", 0)["model"]["path"] == "/models/any-135m"
+
+
+def test_a_config_of_yours_takes_the_bundled_study_and_keeps_its_files(tmp_path):
+    """A run config without a [study] table (examples/real_model/config.toml) gets the bundled
+    one; its data and reward files resolve next to it, not next to the written run configs."""
+    src = tmp_path / "mine"
+    (src / "data").mkdir(parents=True)
+    for name in ("train.jsonl", "test.jsonl"):
+        (src / "data" / name).write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
+    (src / "reward.py").write_text("def score(completion, answer, **kw):\n    return 0.0\n")
+    (src / "run.toml").write_text('[data]\ntrain = "data/train.jsonl"\nheldout = "data/test.jsonl"\n'
+                                  '[reward]\nfunction = "reward.py:score"\n[env]\nname = "dataset"\n')
+    assert compare.study_table(src / "run.toml") == compare.study_table(None)
+    assert compare.study_table(None)["real"]["steps"] == 10
+    out = tmp_path / "out"
+    p = argparse.ArgumentParser()
+    compare.configure(p)
+    args = p.parse_args([str(src / "run.toml"), "--budget", "real", "--model", "/models/m", "--seeds", "1",
+                         "--out", str(out), "--dry-run"])
+    compare.plan(args)
+    cfg = _cfg(out, "mixed-sync", "grpo", 0)
+    assert cfg["data"]["train"] == str((src / "data" / "train.jsonl").resolve())
+    assert cfg["reward"]["function"] == f"{(src / 'reward.py').resolve()}:score"
+    assert cfg["trainer"]["lora"]["rank"] == 8
+    (src / "own.toml").write_text('[study.real]\nsteps = 7\n')
+    assert compare.study_table(src / "own.toml")["real"] == {"steps": 7}
+    assert compare.study_table(src / "own.toml")["fp32"] == compare.study_table(None)["fp32"]
 
 
 def test_resume_restores_the_settings(tmp_path, capsys):

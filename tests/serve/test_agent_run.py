@@ -21,8 +21,7 @@ STEPS = 2
 
 
 def test_example_agent_trains_on_policy_at_fp32(tiny: Path, tmp_path: Path) -> None:
-    from mixrl.config import build_config
-    from mixrl.runtime.cli import resolve_paths
+    from mixrl.config import build_config, resolve_paths
 
     raw = tomllib.loads((EXAMPLE / "config.toml").read_text())
     raw["model"] = {"path": str(tiny)}

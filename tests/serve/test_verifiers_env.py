@@ -20,8 +20,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "verifiers_env"
 
 
 def _cfg(policy: Path, run_dir: Path, steps: int):
-    from mixrl.config import build_config
-    from mixrl.runtime.cli import resolve_paths
+    from mixrl.config import build_config, resolve_paths
 
     raw = tomllib.loads((EXAMPLE / "config.toml").read_text())
     raw["model"] = {"path": str(policy)}

@@ -15,6 +15,7 @@ from mixrl.config.io import (
     demo_config_path,
     format_errors,
     load_config,
+    resolve_paths,
     to_toml,
 )
 from mixrl.config.schema import (
@@ -46,5 +47,5 @@ __all__ = [
     "ConfigError", "DataConfig", "Derived", "EnvConfig", "EvalConfig", "FixedScaling", "FleetConfig", "GroupConfig",
     "InflightScaling", "LoraConfig", "LossSection", "ModelConfig", "ObserveConfig", "OptimConfig", "OverlongFilter", "OverlongPenalty", "RayConfig", "RewardConfig",
     "RolloutConfig", "RunConfig", "RuntimeConfig", "TrainerConfig", "apply_override", "build_config",
-    "demo_config_path", "derive", "format_errors", "load_config", "to_toml",
+    "demo_config_path", "derive", "format_errors", "load_config", "resolve_paths", "to_toml",
 ]

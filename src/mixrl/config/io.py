@@ -4,7 +4,8 @@ A run is described by a TOML file plus ``--set key.path=value`` overrides
 (``fleet.groups.0.replicas=2``; ``null`` sets a field to None). Invalid values
 raise ``ConfigError`` with one line per field path, which the CLI prints before
 exiting with status 2. ``to_toml`` writes the resolved configuration (what
-``--dry-run`` prints and the run directory keeps) with ``tomli_w``.
+``--dry-run`` prints and the run directory keeps) with ``tomli_w``; ``resolve_paths``
+makes its data and reward files absolute, relative to the config's folder.
 """
 
 from __future__ import annotations
@@ -123,3 +124,34 @@ def _without_none(x: Any) -> Any:
     if isinstance(x, list):
         return [_without_none(v) for v in x]
     return x
+
+
+def _resolve_path(value: str, base: Path | None) -> str:
+    """A path relative to the config's folder if it exists there, else as given (cwd or hub id)."""
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return value
+    if base is not None and (base / p).exists():
+        return str((base / p).resolve())
+    return str(p.resolve()) if p.exists() else value
+
+
+def resolve_paths(cfg: Any, base: Path | None) -> None:
+    """Make ``data.*`` paths and reward files absolute (the saved config then works from anywhere)."""
+    for key in ("train", "heldout"):
+        v = getattr(cfg.data, key)
+        if v is not None:
+            setattr(cfg.data, key, _resolve_path(v, base))
+
+    def fn(spec: str) -> str:
+        mod, sep, name = spec.rpartition(":")
+        return f"{_resolve_path(mod, base)}:{name}" if sep and mod.endswith(".py") else spec
+
+    if cfg.env.name.startswith("openai_agent:"):  # openai_agent:PATH.py:FUNCTION
+        cfg.env.name = "openai_agent:" + fn(cfg.env.name[len("openai_agent:"):])
+    if cfg.env.name.startswith("verifiers:") and cfg.env.name.endswith(".py"):  # verifiers:PATH.py
+        cfg.env.name = "verifiers:" + _resolve_path(cfg.env.name[len("verifiers:"):], base)
+    if cfg.reward.function is not None:
+        cfg.reward.function = fn(cfg.reward.function)
+    if cfg.reward.functions:
+        cfg.reward.functions = [fn(s) for s in cfg.reward.functions]

@@ -66,7 +66,7 @@ BUDGETS: dict[str, dict[str, object]] = {
               "modes": MODES, "seeds": 3, "steps": 150, "eval_tasks": 48, "eval_n": 16},
     # the real model's precision-only cells; arms, steps and LoRA from [study.real]
     "real": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": ("mixed",), "modes": ("sync",),
-             "seeds": 3, "steps": 60, "eval_tasks": 48, "eval_n": 16},
+             "seeds": 3, "steps": 10, "eval_tasks": 48, "eval_n": 16},
 }
 
 
@@ -109,11 +109,18 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def study_table(path: Path | None) -> dict[str, Any]:
-    """The config's ``[study]`` table (``{}`` when it has none)."""
-    try:
-        return dict(tomllib.loads(Path(path or default_config_path()).read_text()).get("study", {}))
-    except (OSError, tomllib.TOMLDecodeError):
-        return {}
+    """The config's ``[study]`` table over the bundled compare.toml's: a run config of yours
+    (e.g. ``examples/real_model/config.toml``) needs no ``[study]`` of its own, and each of its
+    sub-tables (``real``, ``fp32``, ``monitor``) replaces the bundled one whole."""
+
+    def read(p: Path) -> dict[str, Any]:
+        try:
+            return dict(tomllib.loads(p.read_text()).get("study", {}))
+        except (OSError, tomllib.TOMLDecodeError):
+            return {}
+
+    bundled = read(default_config_path())
+    return bundled if path is None else {**bundled, **read(Path(path))}
 
 
 def settings(args: argparse.Namespace) -> dict[str, object]:
@@ -208,7 +215,9 @@ def base_config(args: argparse.Namespace, b: dict[str, object]):  # type: ignore
     sets = list(b.get("real_set", []))  # type: ignore[call-overload]
     if "model" in b:
         sets.insert(0, f"model.path={json.dumps(b['model'])}")
-    return runcfg.build_config(tree, sets + list(args.overrides))
+    cfg = runcfg.build_config(tree, sets + list(args.overrides))
+    runcfg.resolve_paths(cfg, path.resolve().parent)  # data and reward files next to the config
+    return cfg
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str, Path]]:

@@ -27,6 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mixrl.config import resolve_paths
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", nargs="?", default=None, help="TOML config (default: the bundled demo)")
@@ -43,37 +45,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _fail(msg: str) -> int:
     print(f"mixrl train: {msg}", file=sys.stderr)
     return 2
-
-
-def _resolve(value: str, base: Path | None) -> str:
-    """A path relative to the config's folder if it exists there, else as given (cwd or hub id)."""
-    p = Path(value).expanduser()
-    if p.is_absolute():
-        return value
-    if base is not None and (base / p).exists():
-        return str((base / p).resolve())
-    return str(p.resolve()) if p.exists() else value
-
-
-def resolve_paths(cfg: Any, base: Path | None) -> None:
-    """Make ``data.*`` paths and reward files absolute (the saved config then works from anywhere)."""
-    for key in ("train", "heldout"):
-        v = getattr(cfg.data, key)
-        if v is not None:
-            setattr(cfg.data, key, _resolve(v, base))
-
-    def fn(spec: str) -> str:
-        mod, sep, name = spec.rpartition(":")
-        return f"{_resolve(mod, base)}:{name}" if sep and mod.endswith(".py") else spec
-
-    if cfg.env.name.startswith("openai_agent:"):  # openai_agent:PATH.py:FUNCTION
-        cfg.env.name = "openai_agent:" + fn(cfg.env.name[len("openai_agent:"):])
-    if cfg.env.name.startswith("verifiers:") and cfg.env.name.endswith(".py"):  # verifiers:PATH.py
-        cfg.env.name = "verifiers:" + _resolve(cfg.env.name[len("verifiers:"):], base)
-    if cfg.reward.function is not None:
-        cfg.reward.function = fn(cfg.reward.function)
-    if cfg.reward.functions:
-        cfg.reward.functions = [fn(s) for s in cfg.reward.functions]
 
 
 def _check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> str | None:

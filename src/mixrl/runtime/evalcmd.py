@@ -42,11 +42,10 @@ def main(args: argparse.Namespace) -> int:
     path = _run_config(args)
     if path is None:
         return int(ev.main(args) or 0)
-    from mixrl.config import ConfigError, load_config
+    from mixrl.config import ConfigError, load_config, resolve_paths
     from mixrl.data import DataError
     from mixrl.envs.registry import activate
     from mixrl.envs.rewards import RewardError
-    from mixrl.runtime.cli import resolve_paths
 
     try:
         cfg = load_config(path)
