@@ -90,7 +90,8 @@ def test_a_config_of_yours_takes_the_bundled_study_and_keeps_its_files(tmp_path)
         (src / "data" / name).write_text('{"prompt": "1 + 1?", "answer": "2"}\n')
     (src / "reward.py").write_text("def score(completion, answer, **kw):\n    return 0.0\n")
     (src / "run.toml").write_text('[data]\ntrain = "data/train.jsonl"\nheldout = "data/test.jsonl"\n'
-                                  '[reward]\nfunction = "reward.py:score"\n[env]\nname = "dataset"\n')
+                                  '[reward]\nfunction = "reward.py:score"\n[env]\nname = "dataset"\n'
+                                  '[runtime.eval]\nenabled = false\nk = 1\n')
     assert compare.study_table(src / "run.toml") == compare.study_table(None)
     assert compare.study_table(None)["real"]["steps"] == 10
     out = tmp_path / "out"
@@ -103,6 +104,8 @@ def test_a_config_of_yours_takes_the_bundled_study_and_keeps_its_files(tmp_path)
     assert cfg["data"]["train"] == str((src / "data" / "train.jsonl").resolve())
     assert cfg["reward"]["function"] == f"{(src / 'reward.py').resolve()}:score"
     assert cfg["trainer"]["lora"]["rank"] == 8
+    # a study evaluates every run, whatever the config does for its own runs; its k is kept
+    assert cfg["runtime"]["eval"]["enabled"] is True and cfg["runtime"]["eval"]["k"] == 1
     (src / "own.toml").write_text('[study.real]\nsteps = 7\n')
     assert compare.study_table(src / "own.toml")["real"] == {"steps": 7}
     assert compare.study_table(src / "own.toml")["fp32"] == compare.study_table(None)["fp32"]

@@ -182,7 +182,9 @@ def _arm_config(base, arm: str, fleet: str, seed: int, run_dir: Path, b: dict, f
     cfg.runtime.steps = int(b["steps"])
     cfg.runtime.checkpoint_every = min(cfg.runtime.checkpoint_every or cfg.runtime.steps,
                                        cfg.runtime.steps)
-    # n > k, same tasks and sampling seeds for every run; the base policy is evaluated once
+    # every run is evaluated (a config may turn it off for its own runs), n > k, the same tasks
+    # and sampling seeds for every run; the base policy is evaluated once
+    cfg.runtime.eval.enabled = True
     cfg.runtime.eval.n_tasks, cfg.runtime.eval.n = int(b["eval_tasks"]), int(b["eval_n"])
     cfg.runtime.eval.k = min(cfg.runtime.eval.k, cfg.runtime.eval.n)
     cfg.runtime.eval.base = first
