@@ -222,9 +222,52 @@ def table_make_run() -> str:
     return _table(["environment (`scripts/bootstrap.sh`)", "`mixrl train`", "total", "machine", "commit"], [row])
 
 
+def _iv(d: dict | None) -> str:
+    return "–" if not d else f"{d['estimate']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
+
+
+def _study(name: str) -> str:
+    """A study's cells and effects from ``docs/artifacts/<name>/`` (cells.json and design.json,
+    which ``mixrl compare --recompute`` writes from the committed per-run data)."""
+    cells, design = _load(f"{name}/cells.json"), _load(f"{name}/design.json")
+    if cells is None or design is None:
+        return ""
+    k = cells["k"]
+
+    def est(v: object) -> str:
+        if isinstance(v, dict):
+            return f"{v['estimate']:.3f} [{v['lo']:.3f}, {v['hi']:.3f}]"
+        return "–" if isinstance(v, float) and v != v else _fmt(v)  # NaN: not measured in this cell
+
+    rows = [[f"`{c['cell']}`", str(c["seeds"])] + [est(c[key]) for key in (
+             f"pass@{k}", "reward_fp32", "precision_kl", "precision_oob", "lag_kl", "staleness")] + [c["collapsed"]]
+            for c in cells["cells"]]
+    out = [_table(["cell", "seeds", f"pass@{k} [95% t over seeds]", "FP32-sampler reward", "precision KL",
+                   "precision outside [0.2, 5]", "lag KL", "staleness", "collapsed"], rows), ""]
+    eff_rows = []
+    for fleet, v in design["fleets"].items():
+        for eff, e in v["effects"].items():
+            e = e or {}
+            eff_rows.append([fleet, eff, _iv(e.get("t")), _iv(e.get("boot")), e.get("verdict", "inconclusive")])
+    out += [_table(["fleet", "effect", f"pass@{k}: paired t over seeds", "paired bootstrap over seeds x tasks",
+                    "verdict"], eff_rows), ""]
+    for fleet, v in design["fleets"].items():
+        out.append(f"- {fleet}: F1 (uncorrected GRPO collapses, precision only) **{v['F1']}**; F2 (SC + MIS "
+                   f"better than GRPO, precision only) **{v['F2']}**; F4 (out-of-range share follows KL) "
+                   f"**{v['F4']['verdict']}**")
+    if design["F3"]["verdict"] != "not run":
+        out.append(f"- F3 (mixed matches homogeneous, ±{design['F3']['margin']}): **{design['F3']['verdict']}**")
+    out.append(f"\nFrom `docs/artifacts/{name}/` (`mixrl compare --recompute docs/artifacts/{name}`); G = `grpo`, "
+               "C = `sc+mis+top-p`; precision = sync cell − on-policy, lag = async − sync; an effect counts "
+               "when both intervals exclude 0; KL and out-of-range share over staleness-0 tokens (precision) "
+               "or stale tokens (lag).")
+    return "\n".join(out)
+
+
 TABLES: dict[str, Callable[[], str]] = {"eval": table_eval, "data": table_data, "bench": table_bench,
                                         "probe": table_probe, "make_run": table_make_run, "real": table_real,
-                                        "probe_real": table_probe_real}
+                                        "probe_real": table_probe_real, "study": lambda: _study("study"),
+                                        "study_real": lambda: _study("study_real")}
 
 
 def render(text: str) -> str:

@@ -88,11 +88,28 @@ def test_verdicts(study):
     assert m["collapsed"]["mixed-sync/grpo"] == "2/3" and m["collapsed"]["mixed-sync/sc+mis+top-p"] == "0/3"
     assert m["F1"] == "reproduced"  # 0.08 vs 0.40 on every seed, 2 of 3 seeds collapsed
     assert m["F2"] == "reproduced"
-    assert res["F3"]["verdict"] == "inconclusive"  # no homogeneous cells
+    assert res["F3"]["verdict"] == "not run"  # no homogeneous cells
+    for e in m["effects"].values():  # each effect carries the verdict its two intervals give
+        ivs = (e["t"], e["boot"])
+        want = ("lower" if all(i["hi"] < 0 for i in ivs) else "higher" if all(i["lo"] > 0 for i in ivs)
+                else "not distinguishable")
+        assert e["verdict"] == want
+    assert m["effects"]["precision G"]["verdict"] == "lower"  # 0.08 vs 0.40 on every seed
     # F4: groups a, c have the same sample share; KL ranks a > b > c, share a = c > b: testable
     assert m["F4"]["runs_with_oob"] == 6 and m["F4"]["rankings_coincide"] == 0
     text = design.markdown(res)
     assert "interaction" in text and paired.T_METHOD in text and "F1" in text
+
+
+def test_a_sync_only_study_reports_only_what_it_ran(study):
+    """The real model's study runs the sync cells and the reference only: no lag, async or
+    interaction row (their cells were not run), and the precision and correction rows stay."""
+    out, _ = study
+    runs = [r for r in studydata.load(out) if "-async" not in r.fleet]
+    m = design.judge(runs, {"monitor": {"warmup_steps": 3, "early_steps": 5}})["fleets"]["mixed"]
+    assert sorted(m["effects"]) == ["correction sync", "precision C", "precision G"]
+    assert m["effects"]["precision G"]["verdict"] == "lower" and m["F2"] == "reproduced"
+    assert "lag G" not in design.markdown(design.judge(runs, {}))
 
 
 def test_f4_untestable_cases(tmp_path):

@@ -168,26 +168,30 @@ def judge(runs: list[Run], study: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"k": k, "monitor": mon, "f3_margin": margin, "fleets": {}}
     for f in fleets:
         s, a = f"{f}-sync/", f"{f}-async/"
-        eff = {
-            "precision G": effect(cells, [s + G], [REF], k), "precision C": effect(cells, [s + C], [REF], k),
-            "lag G": effect(cells, [a + G], [s + G], k), "lag C": effect(cells, [a + C], [s + C], k),
-            "correction sync": effect(cells, [s + C], [s + G], k),
-            "correction async": effect(cells, [a + C], [a + G], k),
-            "interaction": effect(cells, [a + C, s + G], [s + C, a + G], k),
-        }
+        specs = {"precision G": ([s + G], [REF]), "precision C": ([s + C], [REF]),
+                 "lag G": ([a + G], [s + G]), "lag C": ([a + C], [s + C]),
+                 "correction sync": ([s + C], [s + G]), "correction async": ([a + C], [a + G]),
+                 "interaction": ([a + C, s + G], [s + C, a + G])}
+        # an effect whose cells the study did not run is left out (the real model's study is sync only)
+        eff = {name: effect(cells, pl, mi, k) for name, (pl, mi) in specs.items() if all(c in cells for c in pl + mi)}
+        for e in eff.values():
+            if e is not None:
+                e["verdict"] = _found(e)
         col = {c: f"{collapses(cells[c], mon)}/{len(cells[c])}" for c in cells if c.startswith((s, a))}
         g_col = collapses(cells[s + G], mon) if s + G in cells else 0
-        d1 = _found(eff["precision G"])
+        d1 = _found(eff.get("precision G"))
         f1 = {"lower": "reproduced" if 2 * g_col >= len(cells.get(s + G, {})) > 0 else "not reproduced",
               "higher": "not reproduced"}.get(d1, d1)
-        d2 = _found(eff["correction sync"])
+        d2 = _found(eff.get("correction sync"))
         c_col = collapses(cells[s + C], mon) if s + C in cells else 0
         f2 = "not reproduced" if c_col else {"higher": "reproduced", "lower": "not reproduced"}.get(d2, d2)
         out["fleets"][f] = {"effects": eff, "collapsed": col, "F1": f1, "F2": f2,
                             "F4": f4(list(cells.get(s + G, {}).values()) + list(cells.get(s + C, {}).values()))}
     f3 = effect(cells, [f"mixed-sync/{C}"], [f"homogeneous-sync/{C}"], k)
     f3n = effect(cells, [f"mixed-sync/{C}"], [f"homogeneous-sync/{C}"], k, level=0.90)
-    verdicts = [paired.tost(_iv(f3n, m), _iv(f3, m), margin) for m in ("t", "boot")] if f3 else ["inconclusive"]
+    ran = all(c in cells for c in (f"mixed-sync/{C}", f"homogeneous-sync/{C}"))
+    verdicts = ([paired.tost(_iv(f3n, m), _iv(f3, m), margin) for m in ("t", "boot")] if f3
+                else ["inconclusive" if ran else "not run"])
     out["F3"] = {"effect": f3, "effect_90": f3n, "margin": margin,
                  "verdict": verdicts[0] if len(set(verdicts)) == 1 else "not distinguishable"}
     return out

@@ -306,6 +306,9 @@ def main(args: argparse.Namespace, study: dict[str, Any] | None = None) -> int:
     k = rep["k"]
     (dir_ / "report.md").write_text(markdown(dir_, rep, k))
     (dir_ / "report.html").write_text(render_html(dir_, rep, k))
+    if rep["study"]:  # the cells as numbers, for tables made from them (scripts/readme_tables.py)
+        cells = {"k": rep["study"]["design"]["k"], "cells": rep["study"]["cells"], "regime": rep["study"]["regime"]}
+        (dir_ / "cells.json").write_text(json.dumps(cells, indent=1, default=float))
     print(f"wrote {dir_ / 'report.html'} and {dir_ / 'report.md'}")
     if getattr(args, "png", False):
         from mixrl.observe.screenshot import screenshot
