@@ -219,6 +219,7 @@ class EvalConfig(_Section):
     n: int = Field(default=4, ge=1, le=1024, description="samples per task")
     k: int = Field(default=1, ge=1, le=1024, description="pass@k")
     seed: int = Field(default=1234, ge=0, description="evaluation seed (fixed across runs)")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="held-out sampling nucleus; 1.0 = the full distribution, whatever the training sampler's top_p")
     base: bool = Field(default=True, description="also evaluate the starting policy (for the gain)")
 
     @model_validator(mode="after")

@@ -2,7 +2,8 @@
 
 Runs each correction arm on each fleet with each seed: the mixed fleet (the
 config's groups), the homogeneous fleet (the ``b200-bf16`` profile, same total
-replicas) and the stress fleet (``STRESS_PROFILES``: W4A4 / W8A8 samplers, FP4
+replicas), the exact fleet (one ``fp32`` group, the trainer's own numerics: the
+zero-mismatch fleet of the ablation) and the stress fleet (``STRESS_PROFILES``: W4A4 / W8A8 samplers, FP4
 or static-scale FP8 KV caches, quantized ``lm_head``; docs/study.md has its
 measured mismatch). The reference arms (``on-policy``, ``fp16``) fix their own
 numerics, so they run once per seed under the fleet name ``reference``.
@@ -31,6 +32,7 @@ passed to the runs.
     mixrl compare --budget study --plan # the 2 x 2 design: runs and projected time
     mixrl compare --resume OUT          # continue a study (finished runs are skipped)
     mixrl compare --recompute OUT       # every interval again, from OUT/data alone
+    mixrl compare --ablation OUT        # the correction ablation's table (observe/ablation.py)
     mixrl compare --arms grpo,on-policy --fleets stress --seeds 2 --steps 4   # a smoke test
 """
 
@@ -47,10 +49,11 @@ from typing import Any
 from mixrl.observe.studyrun import finished, side_file  # noqa: F401  (the run layout, re-exported)
 
 ARMS = ("grpo", "grpo+mis", "sc", "grpo+top-p", "sc+mis", "sc+mis+top-p", "on-policy", "fp16")
-FLEETS = ("mixed", "homogeneous", "stress")
+FLEETS = ("mixed", "homogeneous", "stress", "exact")
 MODES = ("sync", "async")
 REFERENCE_FLEET = "reference"  # where the arms with their own numerics run
 HOMOGENEOUS_PROFILE = "b200-bf16"
+EXACT_PROFILE = "fp32"  # the "exact" fleet: samplers compute as the FP32 trainer (no mismatch)
 STRESS_PROFILES = ("stress-b200-nvfp4", "stress-b300-mxfp4", "stress-h100-fp8")
 
 # What each budget runs. "default" is sized to fit 60 minutes on 2 quiet cores (21 runs; the
@@ -102,6 +105,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="continue the study in OUT with the settings it was started with")
     a("--recompute", type=Path, default=None, metavar="OUT",
       help="recompute every interval from OUT/data (the committed per-run files)")
+    a("--ablation", type=Path, default=None, metavar="OUT",
+      help="the correction ablation's pass@1 table from OUT/data (observe/ablation.py)")
     a("--stop-after", type=float, default=None, metavar="MIN",
       help="start no run after MIN minutes (the study continues with --resume)")
     a("--dry-run", action="store_true", help="write the run configs, run nothing")
@@ -194,6 +199,8 @@ def _arm_config(base, arm: str, fleet: str, seed: int, run_dir: Path, b: dict, f
         cfg.fleet = homogeneous_fleet(base.fleet)
     elif fleet == "stress":
         cfg.fleet = stress_fleet(base.fleet)
+    elif fleet == "exact":
+        cfg.fleet = single_profile_fleet(base.fleet, EXACT_PROFILE)
     if preset.mode is not None:
         cfg.runtime.mode = preset.mode
     if preset.trainer_precision is not None:
@@ -360,6 +367,10 @@ def main(args: argparse.Namespace) -> int:
 
     if args.recompute is not None:
         return tables(Path(args.recompute), args.config)
+    if args.ablation is not None:
+        from mixrl.observe import ablation
+
+        return ablation.main(Path(args.ablation))
     try:
         if args.resume is not None:
             _restore(args)

@@ -32,7 +32,7 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("rollout/empty_last_reply", "share of episodes whose last reply is empty"),
     ("rollout/turns", "assistant turns per episode"),
 )
-FLEET_STYLE = {"mixed": "-", "homogeneous": "--", "stress": ":", "reference": "-."}
+FLEET_STYLE = {"mixed": "-", "homogeneous": "--", "stress": ":", "reference": "-.", "exact": (0, (1, 3))}
 
 
 def kl_key(run: Run) -> str:

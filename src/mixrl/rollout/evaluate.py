@@ -152,6 +152,7 @@ def evaluate(
     precision: str = "fp32",
     profile: str | None = None,
     temperature: float = 1.0,
+    top_p: float = 1.0,
     max_new_tokens: int = 32,
     max_total_tokens: int = 256,
     max_turns: int = 4,
@@ -165,6 +166,9 @@ def evaluate(
     Returns a dict with ``pass@1``, ``pass@<k>``, ``n_tasks``, ``n``, ``k``,
     ``mean_reward``, ``status`` counts, ``infra_failed``, ``tasks_incomplete``,
     ``per_family`` (the same metrics per family) and ``wall_s``.
+    ``top_p`` < 1 samples inside the nucleus (the policy a top-p sampler deploys); the
+    default 1.0 scores the full distribution ``p``, which is what a trainer that replays
+    a top-p support never trains on its tail (docs/corrections.md section 3).
     ``env_options`` go to ``make_env`` (they override ``max_turns``);
     ``chat_template`` (a Jinja file) replaces the tokenizer's own.
     """
@@ -190,7 +194,8 @@ def evaluate(
         raise ValueError(f"evaluate: n_tasks must be in [1, {len(src)}] for {task!r}, got {n_tasks}")
     tasks = [src[i] for i in range(n_tasks)]
     engine = make_engine(str(path), prof, prof, seed=seed, max_batch=max_batch, num_threads=num_threads)
-    params = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, record="none")
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                            record="none")
     env_kw = {"max_turns": max_turns, **(env_options or {})}
 
     async def run_all() -> list[Any]:
@@ -216,7 +221,7 @@ def evaluate(
     import torch
 
     res.update({"n": n, "k": k, "task": task, "model": str(path), "weights_sha256": weights_digest(path),
-                "profile": prof, "seed": seed, "threads": torch.get_num_threads(),
+                "profile": prof, "top_p": top_p, "seed": seed, "threads": torch.get_num_threads(),
                 "wall_s": time.perf_counter() - t0})
     return res
 
@@ -230,6 +235,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--precision", choices=sorted(PRECISIONS), default="fp32")
     parser.add_argument("--profile", default=None, help="sampler profile name (overrides --precision)")
+    parser.add_argument("--top-p", type=float, default=1.0,
+                        help="sampling nucleus (default 1.0: the full distribution)")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="per assistant turn")
     parser.add_argument("--threads", type=int, default=2,
                         help="torch threads (default 2: the same numbers on any machine)")
@@ -239,7 +246,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         res = evaluate(args.checkpoint, args.k, args.n, args.tasks, args.seed, task=args.task,
-                       precision=args.precision, profile=args.profile,
+                       precision=args.precision, profile=args.profile, top_p=args.top_p,
                        max_new_tokens=args.max_new_tokens, num_threads=args.threads)
     except (ValueError, FileNotFoundError) as e:
         print(f"mixrl eval: {e}")

@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
         n_avail = len(make_task_source(cfg.env.name, "heldout", args.seed))
         res = ev.evaluate(args.checkpoint, args.k, args.n, min(args.tasks or n_avail, n_avail), args.seed,
                           task=cfg.env.name, precision=args.precision, profile=args.profile,
-                          temperature=cfg.rollout.temperature, max_new_tokens=cfg.rollout.max_new_tokens,
+                          temperature=cfg.rollout.temperature, top_p=args.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
                           max_total_tokens=cfg.rollout.max_total_tokens, env_options=dict(cfg.env.options),
                           num_threads=args.threads)
     except (ConfigError, DataError, RewardError, ValueError, FileNotFoundError) as e:

@@ -293,10 +293,11 @@ def run_eval(cfg: RunConfig, base_path: str, final_path: str) -> dict[str, Any]:
         from mixrl.envs.registry import make_task_source
 
         n_tasks = min(n_tasks, len(make_task_source(cfg.env.name, "heldout", e.seed)))
-    out: dict[str, Any] = {"task": cfg.env.name, "k": e.k, "n": e.n, "n_tasks": n_tasks, "seed": e.seed}
+    out: dict[str, Any] = {"task": cfg.env.name, "k": e.k, "n": e.n, "n_tasks": n_tasks, "seed": e.seed,
+                           "top_p": e.top_p}
     kw = dict(k=e.k, n=e.n, n_tasks=n_tasks, seed=e.seed, task=cfg.env.name,
               max_total_tokens=cfg.rollout.max_total_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
-              temperature=cfg.rollout.temperature, env_options=dict(cfg.env.options),
+              temperature=cfg.rollout.temperature, top_p=e.top_p, env_options=dict(cfg.env.options),
               chat_template=cfg.model.chat_template)
     t0 = time.perf_counter()
     out["final"] = evaluate(final_path, **kw)
