@@ -251,16 +251,28 @@ def _study(name: str) -> str:
             eff_rows.append([fleet, eff, _iv(e.get("t")), _iv(e.get("boot")), e.get("verdict", "inconclusive")])
     out += [_table(["fleet", "effect", f"pass@{k}: paired t over seeds", "paired bootstrap over seeds x tasks",
                     "verdict"], eff_rows), ""]
+    hp = design.get("holm", {}).get("p_holm", {})
+
+    def p(x: object) -> str:
+        return "–" if not isinstance(x, float) or x != x else f"{x:.3g}"
+
     for fleet, v in design["fleets"].items():
-        out.append(f"- {fleet}: F1 (uncorrected GRPO collapses, precision only) **{v['F1']}**; F2 (SC + MIS "
-                   f"better than GRPO, precision only) **{v['F2']}**; F4 (out-of-range share follows KL) "
-                   f"**{v['F4']['verdict']}**")
+        f4 = v["F4"]
+        out.append(f"- {fleet}: F1 (uncorrected GRPO hurt by precision alone) **{v['F1']}** (Holm p "
+                   f"{p(hp.get(f'{fleet}: F1'))}); F2 (the correction beats GRPO, precision alone) **{v['F2']}** "
+                   f"(Holm p {p(hp.get(f'{fleet}: F2'))}); F4 (out-of-range rate follows precision KL, trend test "
+                   f"on token counts) **{f4['verdict']}**; collapsed: "
+                   + ", ".join(f"{c} {n}" for c, n in sorted(v["collapsed"].items())))
     if design["F3"]["verdict"] != "not run":
-        out.append(f"- F3 (mixed matches homogeneous, ±{design['F3']['margin']}): **{design['F3']['verdict']}**")
+        out.append(f"- F3 (mixed not worse than homogeneous by more than {design['F3']['margin']}, one-sided): "
+                   f"**{design['F3']['verdict']}** (Holm p {p(design['F3'].get('p_holm'))})")
+    corrected = design.get("corrected", "sc+mis+top-p")
     out.append(f"\nFrom `docs/artifacts/{name}/` (`mixrl compare --recompute docs/artifacts/{name}`); G = `grpo`, "
-               "C = `sc+mis+top-p`; precision = sync cell − on-policy, lag = async − sync; an effect counts "
-               "when both intervals exclude 0; KL and out-of-range share over staleness-0 tokens (precision) "
-               "or stale tokens (lag).")
+               f"C = `{corrected}`; primary outcome held-out pass@{k}; precision = sync cell − on-policy, "
+               "lag = async − sync; F1–F3 are the pre-registered tests (paired t over seeds, Holm over F1–F3 at "
+               f"α = {design.get('alpha', 0.05)}); the other effects are exploratory and count when both intervals "
+               "exclude 0; collapsed = monitor, FP32-sampler or held-out drop (observe/outcome.py); KL and "
+               "out-of-range share over staleness-0 tokens (precision) or stale tokens (lag).")
     return "\n".join(out)
 
 

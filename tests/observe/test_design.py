@@ -57,7 +57,7 @@ def study(tmp_path):
             tables[(cell, s)] = _counts(rng, p)
             collapse = 12 if cell == "mixed-sync/grpo" and s < 2 else None
             _write(tmp_path, f"{cell}/seed{s}", tables[(cell, s)], _rows(0.6, collapse_at=collapse, groups=groups),
-                   fp32={"0": {"mean_reward": 0.3}, "150": {"mean_reward": p + 0.01 * s}})
+                   fp32={"0": {"mean_reward": 0.05}, "150": {"mean_reward": p + 0.01 * s}})
     return tmp_path, tables
 
 
@@ -66,17 +66,24 @@ def test_effects_equal_brute_force(study):
     res = design.judge(studydata.load(out), {"monitor": {"warmup_steps": 3, "early_steps": 5}})
     eff = res["fleets"]["mixed"]["effects"]
 
-    def d(plus, minus):
-        return [np.mean([sum(_pk(*tables[(c, s)][t], 4) for c in plus) - sum(_pk(*tables[(c, s)][t], 4) for c in minus)
+    def d(plus, minus, k=1):
+        return [np.mean([sum(_pk(*tables[(c, s)][t], k) for c in plus) - sum(_pk(*tables[(c, s)][t], k) for c in minus)
                          for t in TASKS]) for s in range(3)]
 
-    want = d(["mixed-async/sc+mis+top-p", "mixed-sync/grpo"], ["mixed-sync/sc+mis+top-p", "mixed-async/grpo"])
-    ref = paired.paired_t(want)
-    got = eff["interaction"]["t"]
-    assert (got["estimate"], got["lo"], got["hi"]) == pytest.approx((ref.estimate, ref.lo, ref.hi), abs=1e-12)
+    plus, minus = ["mixed-async/sc+mis+top-p", "mixed-sync/grpo"], ["mixed-sync/sc+mis+top-p", "mixed-async/grpo"]
+    for k, got in ((1, eff["interaction"]["t"]), (4, eff["interaction"]["secondary"]["t"])):
+        ref = paired.paired_t(d(plus, minus, k))
+        assert (got["estimate"], got["lo"], got["hi"]) == pytest.approx((ref.estimate, ref.lo, ref.hi), abs=1e-12)
+    assert res["k"] == 1 and res["k_secondary"] == 4  # pass@1 primary, pass@k secondary
     lag = d(["mixed-async/grpo"], ["mixed-sync/grpo"])
     assert eff["lag G"]["t"]["estimate"] == pytest.approx(np.mean(lag), abs=1e-12)
+    assert eff["lag G"]["d_seed"] == pytest.approx(lag, abs=1e-12)
     assert eff["lag G"]["boot"]["method"] == paired.BOOT_METHOD and eff["lag G"]["tasks"] == len(TASKS)
+    # the contrast's p is the paired t's over the per-seed differences
+    tstat = np.mean(lag) / (np.std(lag, ddof=1) / math.sqrt(3))
+    from scipy import stats as sps
+
+    assert eff["lag G"]["p"] == pytest.approx(2 * sps.t.sf(abs(tstat), 2), rel=1e-9)
     # FP32-sampler reward of the last scored checkpoint, paired over seeds
     assert eff["precision G"]["reward_fp32"]["estimate"] == pytest.approx(0.08 - 0.40, abs=1e-12)
 
@@ -89,16 +96,37 @@ def test_verdicts(study):
     assert m["F1"] == "reproduced"  # 0.08 vs 0.40 on every seed, 2 of 3 seeds collapsed
     assert m["F2"] == "reproduced"
     assert res["F3"]["verdict"] == "not run"  # no homogeneous cells
+    # Holm over the family that ran: mixed F1 and F2 (no F3 without homogeneous cells)
+    p = res["holm"]["p"]
+    assert sorted(res["holm"]["family"]) == ["mixed: F1", "mixed: F2"]
+    lo, hi = sorted(p.values())
+    adj = res["holm"]["p_holm"]
+    assert sorted(adj.values()) == pytest.approx([min(1, 2 * lo), max(min(1, 2 * lo), hi)])
+    # Fisher's exact test of the collapse counts: 2/3 against 0/3 on-policy
+    f = m["fisher"]["G sync vs on-policy"]
+    assert f["collapsed"] == [2, 0] and f["p"] == pytest.approx(0.4, abs=1e-12)
     for e in m["effects"].values():  # each effect carries the verdict its two intervals give
         ivs = (e["t"], e["boot"])
         want = ("lower" if all(i["hi"] < 0 for i in ivs) else "higher" if all(i["lo"] > 0 for i in ivs)
                 else "not distinguishable")
         assert e["verdict"] == want
     assert m["effects"]["precision G"]["verdict"] == "lower"  # 0.08 vs 0.40 on every seed
-    # F4: groups a, c have the same sample share; KL ranks a > b > c, share a = c > b: testable
-    assert m["F4"]["runs_with_oob"] == 6 and m["F4"]["rankings_coincide"] == 0
+    # F4: 6 sync runs, groups' oob counts rise with their precision KL (a > b > c)
+    assert m["F4"]["runs_increasing"] == [6, 6] and m["F4"]["verdict"] == "reproduced"
     text = design.markdown(res)
-    assert "interaction" in text and paired.T_METHOD in text and "F1" in text
+    assert "interaction" in text and paired.T_METHOD in text and "F1" in text and "Holm" in text
+
+
+def test_a_collapse_seen_only_by_the_fp32_sampler_or_held_out_counts(study):
+    out, _ = study
+    runs = studydata.load(out)
+    r = next(x for x in runs if x.name == "mixed-sync/sc+mis+top-p/seed0")
+    r.config["fp32"] = {"0": {"mean_reward": 0.6}, "100": {"mean_reward": 0.7}, "150": {"mean_reward": 0.54}}
+    assert design.outcome.reasons(r, {}, {}, 0.6) == ["fp32"]  # 0.70 -> 0.54: a drop of 0.16 >= 0.15
+    r.config["fp32"]["150"] = {"mean_reward": 0.56}
+    assert design.outcome.reasons(r, {}, {}, 0.6) == []  # 0.14 < 0.15
+    base = {t: [16, 16] for t in TASKS}  # the base solved everything: the final policy fell
+    assert design.outcome.reasons(r, {}, base, 0.6) == ["held-out"]
 
 
 def test_a_sync_only_study_reports_only_what_it_ran(study):
@@ -112,24 +140,34 @@ def test_a_sync_only_study_reports_only_what_it_ran(study):
     assert "lag G" not in design.markdown(design.judge(runs, {}))
 
 
-def test_f4_untestable_cases(tmp_path):
-    runs = []
-    for s in range(3):  # KL and sample share rank the groups identically
+def test_f4_count_test(tmp_path):
+    for s in range(3):
         _write(tmp_path, f"stress-sync/grpo/seed{s}", {"t0": [4, 1], "t1": [4, 2]},
                _rows(0.3, groups={"a": (0.1, 0.5, 0.04), "b": (0.01, 0.3, 0.01), "c": (0.001, 0.2, 0.001)}))
     runs = studydata.load(tmp_path)
-    assert design.f4(runs)["verdict"].startswith("untestable (precision KL and sample share")
+    res = design.f4(runs)
+    # counts pooled over 3 runs x 30 steps x 100 tokens; groups in KL order c < b < a
+    n = 3 * 30 * 100
+    x = np.array([0.001, 0.01, 0.04]) * n
+    assert [res["groups"][g]["oob"] for g in res["order"]] == pytest.approx(list(x))
+    # brute force: z = sqrt(N) r, r the Pearson correlation of score and outcome over every token
+    score = np.repeat([0.0, 1.0, 2.0], n)
+    y = np.concatenate([np.r_[np.ones(int(round(v))), np.zeros(n - int(round(v)))] for v in x])
+    assert res["z"] == pytest.approx(math.sqrt(3 * n) * np.corrcoef(score, y)[0, 1], rel=1e-9)
+    assert res["runs_increasing"] == [3, 3] and res["p_sign"] == pytest.approx(1 / 8)
+    assert res["verdict"] == "not distinguishable"  # 3 runs cannot pass a sign test at 0.05
     for r in runs:
         for row in r.rows:
             for g in "abc":
                 row[f"precision/ratio_oob/{g}"] = 0.0
     assert design.f4(runs)["verdict"].startswith("untestable (no staleness-0")
+    assert design.f4([])["verdict"].startswith("untestable (fewer than 2 groups")
 
 
 def test_recompute_writes_tables(study, capsys):
     out, _ = study
     assert design.main(out, {}) == 0
-    assert (out / "design.md").exists() and json.loads((out / "design.json").read_text())["k"] == 4
+    assert (out / "design.md").exists() and json.loads((out / "design.json").read_text())["k"] == 1
     assert "## mixed" in capsys.readouterr().out
     assert design.main(out / "empty", {}) == 2
 

@@ -90,8 +90,8 @@ def study(tmp_path_factory):
     return out, counts
 
 
-def reference(counts, plus, minus, level=0.95):
-    d = np.array([[sum(pk(*counts[c, s][t], 4) for c in plus) - sum(pk(*counts[c, s][t], 4) for c in minus)
+def reference(counts, plus, minus, level=0.95, k=1):
+    d = np.array([[sum(pk(*counts[c, s][t], k) for c in plus) - sum(pk(*counts[c, s][t], k) for c in minus)
                    for t in TASKS] for s in range(SEEDS)], dtype=np.float64)
     per_seed, per_task = d.mean(axis=1), d.mean(axis=0)
     est = float(per_seed.mean())
@@ -115,6 +115,11 @@ def test_effects_and_intervals_equal_brute_force(study):
         # 2000 resamples against the exact enumeration: the half-width within 10%
         assert (b["hi"] - b["lo"]) / 2 == pytest.approx(half_b, rel=0.10), name
         assert f"| {name} | {est:+.3f} [{est - half_t:+.3f}, {est + half_t:+.3f}] |" in report, name
+        # pass@1 is the primary outcome; pass@4 the secondary, with the same intervals
+        est4, half4, _ = reference(counts, plus, minus, k=4)
+        t4 = eff[name]["secondary"]["t"]
+        assert eff[name]["k"] == 1 and eff[name]["secondary"]["k"] == 4
+        assert (t4["estimate"], t4["lo"], t4["hi"]) == pytest.approx((est4, est4 - half4, est4 + half4), abs=1e-7)
     # FP32-sampler reward of the last checkpoint, paired over seeds: P[plus] - P[minus]
     assert eff["lag G"]["reward_fp32"]["estimate"] == pytest.approx(0.10 - 0.15, abs=1e-12)
     assert "paired t over seeds" in report and "Satterthwaite" in report

@@ -49,7 +49,8 @@ from typing import Any
 from mixrl.observe.studyrun import finished, side_file  # noqa: F401  (the run layout, re-exported)
 
 ARMS = ("grpo", "grpo+mis", "sc", "grpo+top-p", "sc+mis", "sc+mis+top-p", "on-policy", "fp16")
-FLEETS = ("mixed", "homogeneous", "stress", "exact")
+STUDY_FLEETS = ("mixed", "homogeneous", "stress")  # the 2 x 2 study's fleets
+FLEETS = (*STUDY_FLEETS, "exact")  # "exact": the ablation's zero-mismatch fleet
 MODES = ("sync", "async")
 REFERENCE_FLEET = "reference"  # where the arms with their own numerics run
 HOMOGENEOUS_PROFILE = "b200-bf16"
@@ -60,13 +61,17 @@ STRESS_PROFILES = ("stress-b200-nvfp4", "stress-b300-mxfp4", "stress-h100-fp8")
 # measured wall time is in docs/study.md); "full" is the whole study (~4-7 h projected).
 # --arms/--fleets/--seeds/--steps/--eval-* override a budget.
 BUDGETS: dict[str, dict[str, object]] = {
-    "default": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": FLEETS,
+    "default": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": STUDY_FLEETS,
                 "seeds": 3, "steps": 24, "eval_tasks": 48, "eval_n": 16},
-    "full": {"arms": ARMS, "fleets": FLEETS, "seeds": 3, "steps": 100, "eval_tasks": 128,
+    "full": {"arms": ARMS, "fleets": STUDY_FLEETS, "seeds": 3, "steps": 100, "eval_tasks": 128,
              "eval_n": 16},
     # precision vs lag: every fleet sync and async, over a horizon where a collapse can show
-    "study": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": FLEETS,
+    "study": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": STUDY_FLEETS,
               "modes": MODES, "seeds": 3, "steps": 150, "eval_tasks": 48, "eval_n": 16},
+    # the correction ablation (observe/ablation.py): each seed arm with and without mismatch
+    "ablation": {"arms": ("grpo", "grpo+top-p", "sc", "grpo+mis", "sc+mis", "sc+mis+top-p"),
+                 "fleets": ("exact", "mixed"), "modes": ("sync",), "seeds": 5, "steps": 80,
+                 "eval_tasks": 48, "eval_n": 16},
     # the real model's precision-only cells; arms, steps and LoRA from [study.real]
     "real": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": ("mixed",), "modes": ("sync",),
              "seeds": 3, "steps": 10, "eval_tasks": 48, "eval_n": 16},
@@ -82,7 +87,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     a("config", nargs="?", type=Path, default=None,
       help="base run config (default: the bundled compare.toml)")
     a("--budget", choices=tuple(BUDGETS), default="default",
-      help="what to run: default (fits ~60 min on 2 cores), full, study (sync x async, 150 updates) "
+      help="what to run: default (fits ~60 min on 2 cores), full, study (sync x async, 150 updates), "
+           "ablation (6 arms on the exact and mixed fleets, sync) "
            "or real (a model of yours, sync; docs/study.md)")
     a("--arms", default=None, help=f"comma-separated presets (budget's; all: {','.join(ARMS)})")
     a("--fleets", default=None, help=f"comma-separated fleets among {','.join(FLEETS)}")

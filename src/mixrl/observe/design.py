@@ -1,37 +1,42 @@
-"""The 2 x 2 study per fleet: precision, lag and their interaction, with paired intervals.
+"""The 2 x 2 study per fleet: precision, lag and their interaction, judged by pre-registered tests.
 
 Cells (``mixrl compare --modes sync,async``): ``<fleet>-sync/<arm>`` (staleness
 0: the samplers' numerics alone), ``<fleet>-async/<arm>`` (numerics + policy
 lag), ``reference/on-policy`` (FP32 sampler = trainer, sync: no mismatch). Arms
-G = ``grpo``, C = ``sc+mis+top-p``. Every effect is a paired difference (same
-seed: same prompts; same held-out tasks and sampling seeds), pass@k per seed
-and task, with both intervals of ``observe/paired.py``:
+G = ``grpo`` and C = the corrected arm (``[study] corrected``). Every effect is a
+paired difference (same seed: same prompts; same held-out tasks and sampling
+seeds), with both intervals of ``observe/paired.py``:
 
     precision effect (arm)   = arm @ fleet-sync  − on-policy
     lag effect (arm)         = arm @ fleet-async − arm @ fleet-sync
     correction effect (mode) = C @ fleet-mode    − G @ fleet-mode
     interaction              = (C_async − C_sync) − (G_async − G_sync)
 
-Verdicts (an effect is "found" only when both intervals exclude 0):
+Pre-registered (docs/study.md, "Pre-registration"): the primary outcome is held-out
+**pass@1** (pass@k is secondary: near its ceiling it compresses every effect). One
+contrast per finding, tested by the paired t over seeds (``observe/prereg.py``), and
+Holm's correction over the family {F1 per fleet, F2 per fleet, F3} at ``[study] alpha``:
 
-- F1 (precision-only): G @ fleet-sync − on-policy below 0 and a collapse
-  (the collapse monitor replayed on the per-step metrics with the study's
-  ``[study.monitor]`` settings) in at least half the seeds: ``reproduced``;
-  below 0 without collapses: ``not reproduced`` (a deficit, no collapse);
-  an interval containing 0: ``not distinguishable``.
-- F2 (precision-only): C @ fleet-sync − G @ fleet-sync above 0 and no C collapse.
-- F3: C @ mixed-sync − C @ homogeneous-sync against the equivalence margin
-  ``[study] f3_margin`` stated before the runs (TOST: equivalent / different /
-  not distinguishable).
-- F4: per sync run, Spearman(precision oob share, precision KL) − Spearman(precision
-  oob share, sample share) over the fleet's groups; the oob counts are staleness-0
-  tokens only (``precision/ratio_oob`` x ``precision/tokens``). ``untestable``
-  when the KL and sample-share rankings coincide in every run, or no
-  staleness-0 token left [0.2, 5].
+- F1 (uncorrected GRPO is hurt by precision alone): ``precision G`` < 0 (Holm p < α);
+  ``reproduced`` when, besides, at least half of the G @ fleet-sync seeds collapsed
+  (``observe/outcome.py``), ``not reproduced`` (a deficit, no collapse) otherwise;
+- F2 (the correction helps, precision alone): ``correction sync`` > 0 (Holm p < α)
+  and no C @ fleet-sync collapse;
+- F3 (the mixed fleet is not worse than the homogeneous one, C, sync): one-sided
+  non-inferiority of ``C @ mixed-sync − C @ homogeneous-sync`` at margin
+  ``[study] f3_margin`` (Holm p < α: ``non-inferior``);
+- F4 (the out-of-bounds rate follows the precision KL): the Cochran–Armitage trend
+  test on staleness-0 token counts, the fleet's groups ordered by their precision KL,
+  pooled over the sync runs of G and C (one-sided, α; not in the Holm family), read only
+  when a one-sided sign test over the runs' own trend statistics agrees (tokens of one
+  run are not independent);
+- collapses: per cell the collapsed runs, and Fisher's exact test of G @ fleet-sync
+  against on-policy, C against G in each mode, and async against sync per arm.
 
-Scalars beside pass@k (paired t over seeds): final training reward (mean of
-the last 10% of updates, each arm's own sampler) and the FP32-sampler reward
-of the last scored checkpoint (one common sampler for every arm).
+The other effects are reported with their intervals as exploratory (uncorrected).
+Scalars beside pass@1 (paired t over seeds): final training reward (mean of the last
+10% of updates, each arm's own sampler) and the FP32-sampler reward of the last scored
+checkpoint (one common sampler for every arm).
 """
 
 from __future__ import annotations
@@ -44,12 +49,13 @@ from typing import Any
 import numpy as np
 
 from mixrl.observe import keys as K
-from mixrl.observe import paired, studydata
-from mixrl.observe.monitor import monitor_config, replay
+from mixrl.observe import outcome, paired, prereg, studydata
 from mixrl.observe.runs import Run
 from mixrl.observe.stats import passk_matrix
 
-G, C, REF = "grpo", "sc+mis+top-p", "reference/on-policy"
+G, REF = "grpo", "reference/on-policy"
+C = "sc+mis+top-p"  # the corrected arm when the [study] table names none (the committed study's)
+PRIMARY_K = 1  # pre-registered primary outcome: held-out pass@1
 
 
 def _by_seed(runs: list[Run]) -> dict[str, dict[str, Run]]:
@@ -63,9 +69,11 @@ def _matrix(cell: dict[str, Run], seeds: list[str], tasks: list[str], k: int) ->
     return passk_matrix([cell[s].eval["per_task"] for s in seeds], tasks, k)
 
 
-def effect(cells: dict[str, dict[str, Run]], plus: list[str], minus: list[str], k: int,
-           level: float = 0.95) -> dict[str, Any] | None:
-    """Σ plus − Σ minus of the cells' pass@k, paired over their common seeds and tasks."""
+def effect(cells: dict[str, dict[str, Run]], plus: list[str], minus: list[str], k: int = PRIMARY_K,
+           level: float = 0.95, secondary_k: int | None = None) -> dict[str, Any] | None:
+    """Σ plus − Σ minus of the cells' pass@k, paired over their common seeds and tasks: both
+    intervals, the per-seed differences ``d_seed`` (mean over tasks) and their paired-t ``p``;
+    with ``secondary_k`` the same intervals on pass@secondary_k under ``secondary``."""
     names = plus + minus
     if any(n not in cells for n in names):
         return None
@@ -75,11 +83,20 @@ def effect(cells: dict[str, dict[str, Run]], plus: list[str], minus: list[str], 
     tasks = sorted(set.intersection(*(set(cells[n][s].eval.get("per_task") or {}) for n in names for s in seeds)))
     if len(tasks) < 2:
         return None
-    d = sum(_matrix(cells[n], seeds, tasks, k) for n in plus) - sum(_matrix(cells[n], seeds, tasks, k)
-                                                                      for n in minus)
+
+    def diff(kk: int) -> np.ndarray:
+        return (sum(_matrix(cells[n], seeds, tasks, kk) for n in plus)
+                - sum(_matrix(cells[n], seeds, tasks, kk) for n in minus))
+
+    d = diff(k)
     t, boot = paired.both(d, np.zeros_like(d), level)
-    out: dict[str, Any] = {"t": t.to_dict() if t else None, "boot": boot.to_dict() if boot else None,
-                           "seeds": seeds, "tasks": len(tasks)}
+    per_seed = [float(x) for x in np.nanmean(d, axis=1)]
+    out: dict[str, Any] = {"k": k, "t": t.to_dict() if t else None, "boot": boot.to_dict() if boot else None,
+                           "seeds": seeds, "tasks": len(tasks), "d_seed": per_seed, "p": prereg.paired_p(per_seed)}
+    if secondary_k is not None and secondary_k != k:
+        d2 = diff(secondary_k)
+        t2, b2 = paired.both(d2, np.zeros_like(d2), level)
+        out["secondary"] = {"k": secondary_k, "t": t2.to_dict() if t2 else None, "boot": b2.to_dict() if b2 else None}
     for name, f in (("reward_final", reward_final), ("reward_fp32", reward_fp32)):
         v = [sum(f(cells[n][s]) for n in plus) - sum(f(cells[n][s]) for n in minus) for s in seeds]
         iv = paired.paired_t(v, level)
@@ -108,13 +125,8 @@ def _found(e: dict[str, Any] | None) -> str:
     return "not distinguishable"
 
 
-def collapses(cell: dict[str, Run], mon: dict[str, Any]) -> int:
-    cfg = monitor_config(mon)
-    return sum(replay(r.rows, cfg)[0].collapsed for r in cell.values())
-
-
-def _group_shares(r: Run) -> dict[str, dict[str, float]]:
-    """Per group: staleness-0 oob tokens (count), precision KL (token-weighted), sample share."""
+def _group_counts(r: Run) -> dict[str, dict[str, float]]:
+    """Per group: staleness-0 tokens, those outside the bounds (counts), token-weighted precision KL."""
     out = {}
     exact, k3 = K.split(K.PRECISION, K.KL_EXACT), K.split(K.PRECISION, K.KL_K3)
     kl = exact if any(k.startswith(exact + "/") for row in r.rows for k in row) else k3
@@ -122,121 +134,191 @@ def _group_shares(r: Run) -> dict[str, dict[str, float]]:
     for g in r.groups():
         oob = toks = klsum = 0.0
         for row in r.rows:
-            # token-weighted; metrics written without per-group token counts weigh steps equally
-            n = row.get(f"{tokens}/{g}", 1.0 if f"{oob_key}/{g}" in row else 0.0) or 0.0
-            if n:
+            n = row.get(f"{tokens}/{g}") or 0.0
+            if n and row.get(f"{oob_key}/{g}") is not None:
                 toks += n
-                oob += (row.get(f"{oob_key}/{g}") or 0.0) * n
-                klsum += (row.get(f"{kl}/{g}") or 0.0) * n
-        out[g] = {"oob": oob, "kl": klsum / toks if toks else math.nan,
-                  "share": r.mean(f"{K.SAMPLE_SHARE}/{g}")}
+                oob += float(row[f"{oob_key}/{g}"]) * n
+                klsum += float(row.get(f"{kl}/{g}") or 0.0) * n
+        out[g] = {"tokens": toks, "oob": oob, "kl": klsum / toks if toks else math.nan}
     return out
 
 
-def f4(cell_runs: list[Run]) -> dict[str, Any]:
-    diffs, coincide, with_oob = [], 0, 0
+def f4(cell_runs: list[Run], alpha: float = 0.05) -> dict[str, Any]:
+    """Cochran–Armitage trend of the oob rate over the groups ordered by precision KL, counts
+    pooled over ``cell_runs`` (staleness-0 tokens only)."""
+    pooled: dict[str, dict[str, float]] = {}
     for r in cell_runs:
-        st = _group_shares(r)
-        gs = sorted(g for g in st if math.isfinite(st[g]["kl"]))
-        total = sum(st[g]["oob"] for g in gs)
-        if len(gs) < 3 or total <= 0:
-            continue
-        with_oob += 1
-        oob = [st[g]["oob"] / total for g in gs]
-        kl, share = [st[g]["kl"] for g in gs], [st[g]["share"] for g in gs]
-        if paired.same_ranking(kl, share):
-            coincide += 1
-            continue
-        diffs.append(paired.rank_corr(oob, kl) - paired.rank_corr(oob, share))
-    iv = paired.paired_t([d for d in diffs if math.isfinite(d)])
-    if not with_oob:
-        verdict = "untestable (no staleness-0 token outside [0.2, 5])"
-    elif not diffs:
-        verdict = "untestable (precision KL and sample share rank the groups identically)"
-    elif iv is None:
-        verdict = f"inconclusive ({len(diffs)} testable run: an interval needs 2)"
+        for g, v in _group_counts(r).items():
+            acc = pooled.setdefault(g, {"tokens": 0.0, "oob": 0.0, "klw": 0.0})
+            acc["tokens"] += v["tokens"]
+            acc["oob"] += v["oob"]
+            acc["klw"] += (v["kl"] * v["tokens"]) if math.isfinite(v["kl"]) else 0.0
+    gs = sorted(g for g in pooled if pooled[g]["tokens"] > 0)
+    groups = {g: {"tokens": pooled[g]["tokens"], "oob": round(pooled[g]["oob"]),
+                  "kl": pooled[g]["klw"] / pooled[g]["tokens"]} for g in gs}
+    res: dict[str, Any] = {"test": "Cochran-Armitage trend, one-sided", "groups": groups, "z": None, "p": None}
+    if len(gs) < 2:
+        return {**res, "verdict": "untestable (fewer than 2 groups with staleness-0 tokens)"}
+    if sum(v["oob"] for v in groups.values()) == 0:
+        return {**res, "verdict": "untestable (no staleness-0 token outside [0.2, 5])"}
+    order = sorted(gs, key=lambda g: groups[g]["kl"])
+    z, p = prereg.trend([groups[g]["oob"] for g in order], [groups[g]["tokens"] for g in order],
+                        list(range(len(order))))
+    if not math.isfinite(p):
+        return {**res, "verdict": "untestable (equal KL or every token out of bounds)"}
+    # tokens of one run are not independent: the pooled z is read only where the runs agree
+    # (a one-sided sign test over the runs' own trend statistics, same order of groups)
+    signs = []
+    for r in cell_runs:
+        v = _group_counts(r)
+        if all(g in v and v[g]["tokens"] > 0 for g in order):
+            zr, _ = prereg.trend([v[g]["oob"] for g in order], [v[g]["tokens"] for g in order],
+                                 list(range(len(order))))
+            if math.isfinite(zr) and zr != 0:
+                signs.append(zr > 0)
+    p_sign = prereg.sign_p(sum(signs), len(signs))
+    if p < alpha and p_sign < alpha:
+        verdict = "reproduced"
+    elif z < 0 and sum(signs) < len(signs) / 2:
+        verdict = "not reproduced"
     else:
-        verdict = "not distinguishable" if iv.contains_zero else ("reproduced" if iv.lo > 0 else "not reproduced")
-    return {"verdict": verdict, "runs_with_oob": with_oob, "rankings_coincide": coincide,
-            "interval": iv.to_dict() if iv else None}
+        verdict = "not distinguishable"
+    return {**res, "z": z, "p": p, "order": order, "runs_increasing": [sum(signs), len(signs)],
+            "p_sign": p_sign, "verdict": verdict}
+
+
+def _fisher(cells: dict[str, dict[str, Run]], col: dict[str, list[str]], a: str, b: str) -> dict[str, Any] | None:
+    if a not in cells or b not in cells:
+        return None
+    ya, yb = (sum(r.name in col for r in cells[c].values()) for c in (a, b))
+    na, nb = len(cells[a]), len(cells[b])
+    return {"a": a, "b": b, "collapsed": [ya, yb], "runs": [na, nb], "p": prereg.fisher(ya, na - ya, yb, nb - yb)}
 
 
 def judge(runs: list[Run], study: dict[str, Any]) -> dict[str, Any]:
-    cells, k = _by_seed(runs), int(next((r.eval.get("k") for r in runs if r.eval.get("k")), 4))
-    mon, margin = study.get("monitor", {}), float(study.get("f3_margin", 0.05))
+    cells = _by_seed(runs)
+    k2 = int(next((r.eval.get("k") for r in runs if r.eval.get("k")), 4))
+    c_arm = str(study.get("corrected", C))
+    mon, margin, alpha = study.get("monitor", {}), float(study.get("f3_margin", 0.05)), float(study.get("alpha", 0.05))
+    col = outcome.collapsed(runs, study)
     fleets = sorted({r.fleet[: -len("-sync")] for r in runs if r.fleet.endswith("-sync")})
-    out: dict[str, Any] = {"k": k, "monitor": mon, "f3_margin": margin, "fleets": {}}
+    base_held, _ = outcome.base_policy(runs)
+    gain = None
+    if REF in cells and base_held:
+        gain = float(np.mean([outcome.pass1(r.eval.get("per_task"), sorted(base_held)) for r in cells[REF].values()])
+                     - outcome.pass1(base_held))
+    out: dict[str, Any] = {"k": PRIMARY_K, "k_secondary": k2, "corrected": c_arm, "monitor": mon, "alpha": alpha,
+                           "f3_margin": margin, "gain_on_policy": gain, "fleets": {},
+                           "collapsed_runs": {n: why for n, why in sorted(col.items())}}
+    family: dict[str, float] = {}
     for f in fleets:
         s, a = f"{f}-sync/", f"{f}-async/"
-        specs = {"precision G": ([s + G], [REF]), "precision C": ([s + C], [REF]),
-                 "lag G": ([a + G], [s + G]), "lag C": ([a + C], [s + C]),
-                 "correction sync": ([s + C], [s + G]), "correction async": ([a + C], [a + G]),
-                 "interaction": ([a + C, s + G], [s + C, a + G])}
+        specs = {"precision G": ([s + G], [REF]), "precision C": ([s + c_arm], [REF]),
+                 "lag G": ([a + G], [s + G]), "lag C": ([a + c_arm], [s + c_arm]),
+                 "correction sync": ([s + c_arm], [s + G]), "correction async": ([a + c_arm], [a + G]),
+                 "interaction": ([a + c_arm, s + G], [s + c_arm, a + G])}
         # an effect whose cells the study did not run is left out (the real model's study is sync only)
-        eff = {name: effect(cells, pl, mi, k) for name, (pl, mi) in specs.items() if all(c in cells for c in pl + mi)}
+        eff = {name: effect(cells, pl, mi, secondary_k=k2) for name, (pl, mi) in specs.items()
+               if all(c in cells for c in pl + mi)}
         for e in eff.values():
             if e is not None:
                 e["verdict"] = _found(e)
-        col = {c: f"{collapses(cells[c], mon)}/{len(cells[c])}" for c in cells if c.startswith((s, a))}
-        g_col = collapses(cells[s + G], mon) if s + G in cells else 0
-        d1 = _found(eff.get("precision G"))
-        f1 = {"lower": "reproduced" if 2 * g_col >= len(cells.get(s + G, {})) > 0 else "not reproduced",
-              "higher": "not reproduced"}.get(d1, d1)
-        d2 = _found(eff.get("correction sync"))
-        c_col = collapses(cells[s + C], mon) if s + C in cells else 0
-        f2 = "not reproduced" if c_col else {"higher": "reproduced", "lower": "not reproduced"}.get(d2, d2)
-        out["fleets"][f] = {"effects": eff, "collapsed": col, "F1": f1, "F2": f2,
-                            "F4": f4(list(cells.get(s + G, {}).values()) + list(cells.get(s + C, {}).values()))}
-    f3 = effect(cells, [f"mixed-sync/{C}"], [f"homogeneous-sync/{C}"], k)
-    f3n = effect(cells, [f"mixed-sync/{C}"], [f"homogeneous-sync/{C}"], k, level=0.90)
-    ran = all(c in cells for c in (f"mixed-sync/{C}", f"homogeneous-sync/{C}"))
-    verdicts = ([paired.tost(_iv(f3n, m), _iv(f3, m), margin) for m in ("t", "boot")] if f3
-                else ["inconclusive" if ran else "not run"])
-    out["F3"] = {"effect": f3, "effect_90": f3n, "margin": margin,
-                 "verdict": verdicts[0] if len(set(verdicts)) == 1 else "not distinguishable"}
+        counts = {c: f"{sum(r.name in col for r in cells[c].values())}/{len(cells[c])}"
+                  for c in cells if c.startswith((s, a))}
+        fisher = {name: t for name, (x, y) in {
+            "G sync vs on-policy": (s + G, REF), "C vs G sync": (s + c_arm, s + G),
+            "C vs G async": (a + c_arm, a + G), "G async vs sync": (a + G, s + G),
+            "C async vs sync": (a + c_arm, s + c_arm)}.items() if (t := _fisher(cells, col, x, y))}
+        for name, key in (("F1", "precision G"), ("F2", "correction sync")):
+            e = eff.get(key)
+            family[f"{f}: {name}"] = e["p"] if e else math.nan
+        sync_runs = list(cells.get(s + G, {}).values()) + list(cells.get(s + c_arm, {}).values())
+        out["fleets"][f] = {"effects": eff, "collapsed": counts, "fisher": fisher, "F4": f4(sync_runs, alpha)}
+    mixed, homo = f"mixed-sync/{c_arm}", f"homogeneous-sync/{c_arm}"
+    f3 = effect(cells, [mixed], [homo], secondary_k=k2)
+    if f3 is not None:
+        f3["p_noninferiority"] = prereg.noninferiority_p(f3["d_seed"], margin)
+        family["F3"] = f3["p_noninferiority"]
+    adj = prereg.holm(family)
+    out["holm"] = {"family": sorted(family), "p": family, "p_holm": adj}
+    for f, v in out["fleets"].items():
+        s = f"{f}-sync/"
+        e1, e2 = v["effects"].get("precision G"), v["effects"].get("correction sync")
+        p1, p2 = adj.get(f"{f}: F1", math.nan), adj.get(f"{f}: F2", math.nan)
+        g_col = sum(r.name in col for r in cells.get(s + G, {}).values())
+        c_col = sum(r.name in col for r in cells.get(s + c_arm, {}).values())
+        v["F1"] = _verdict(e1, p1, alpha, -1, "reproduced" if 2 * g_col >= len(cells.get(s + G, {})) > 0
+                           else "not reproduced")
+        v["F2"] = "not reproduced" if c_col and e2 else _verdict(e2, p2, alpha, +1, "reproduced")
+        v["p_holm"] = {"F1": p1, "F2": p2}
+    ran = mixed in cells and homo in cells
+    if f3 is None:
+        verdict = "inconclusive" if ran else "not run"
+    else:
+        verdict = "non-inferior" if adj["F3"] < alpha else "not shown non-inferior"
+    out["F3"] = {"effect": f3, "margin": margin, "p_holm": adj.get("F3", math.nan), "verdict": verdict}
     return out
 
 
-def _iv(e: dict[str, Any] | None, m: str) -> paired.PairedInterval | None:
-    d = (e or {}).get(m)
-    return None if not d else paired.PairedInterval(d["estimate"], d["lo"], d["hi"], d["level"], d["method"],
-                                                    d["seeds"], d["tasks"])
+def _verdict(e: dict[str, Any] | None, p_adj: float, alpha: float, sign: int, yes: str) -> str:
+    """``yes`` when the contrast has the predicted sign and its Holm-adjusted p is below α;
+    ``not reproduced`` when it is significant the other way; else ``not distinguishable``."""
+    if e is None or not math.isfinite(p_adj):
+        return "inconclusive"
+    if p_adj >= alpha:
+        return "not distinguishable"
+    return yes if sign * e["t"]["estimate"] > 0 else "not reproduced"
 
 
 def _fmt(d: dict[str, Any] | None) -> str:
     return "–" if not d else f"{d['estimate']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
 
 
+def _p(x: Any) -> str:
+    return "–" if x is None or not math.isfinite(float(x)) else f"{float(x):.3g}"
+
+
 def markdown(res: dict[str, Any]) -> str:
-    k = res["k"]
-    lines = [f"# The 2 x 2 study: precision, lag, interaction (pass@{k}, paired)", "",
-             f"Intervals: 95% {paired.T_METHOD} | 95% {paired.BOOT_METHOD}. F3 margin ±{res['f3_margin']}.", ""]
+    k, k2 = res["k"], res.get("k_secondary", res["k"])
+    gain = res.get("gain_on_policy")
+    lines = [f"# The 2 x 2 study: precision, lag, interaction (primary pass@{k}, secondary pass@{k2}, paired)", "",
+             f"Intervals: 95% {paired.T_METHOD} | 95% {paired.BOOT_METHOD}. C = `{res.get('corrected', C)}`. "
+             f"Holm over {', '.join(res['holm']['family']) or 'nothing'} at α = {res['alpha']}. "
+             f"F3 non-inferiority margin {res['f3_margin']}"
+             + (f" (the on-policy pass@1 gain over the base policy: {gain:+.3f})" if gain is not None else "") + ".", ""]
     for f, v in res["fleets"].items():
-        lines += [f"## {f}", "", f"| effect | pass@{k}: t | pass@{k}: bootstrap | final training reward (t) "
-                  "| FP32-sampler reward (t) | verdict |", "|---|---|---|---|---|---|"]
+        lines += [f"## {f}", "", f"| effect | pass@{k}: t | pass@{k}: bootstrap | p (t) | pass@{k2}: t "
+                  "| FP32-sampler reward (t) | verdict |", "|---|---|---|---|---|---|---|"]
         for name, e in v["effects"].items():
             e = e or {}
-            lines.append(f"| {name} | {_fmt(e.get('t'))} | {_fmt(e.get('boot'))} | {_fmt(e.get('reward_final'))} "
-                         f"| {_fmt(e.get('reward_fp32'))} | {_found(e or None)} |")
-        col = ", ".join(f"{c} {n}" for c, n in sorted(v["collapsed"].items()))
-        lines += ["", f"Collapsed (the collapse monitor replayed on each run's metrics): {col}", "",
-                  f"- F1 uncorrected GRPO collapses (precision only): **{v['F1']}**",
-                  f"- F2 SC + MIS better than GRPO (precision only): **{v['F2']}**",
-                  f"- F4 oob share follows KL: **{v['F4']['verdict']}** ({_fmt(v['F4']['interval'])})", ""]
+            lines.append(f"| {name} | {_fmt(e.get('t'))} | {_fmt(e.get('boot'))} | {_p(e.get('p'))} | "
+                         f"{_fmt((e.get('secondary') or {}).get('t'))} | {_fmt(e.get('reward_fp32'))} | "
+                         f"{_found(e or None)} |")
+        colls = ", ".join(f"{c} {n}" for c, n in sorted(v["collapsed"].items()))
+        fish = "; ".join(f"{n}: {t['collapsed'][0]}/{t['runs'][0]} vs {t['collapsed'][1]}/{t['runs'][1]}, "
+                         f"p = {_p(t['p'])}" for n, t in v["fisher"].items())
+        f4v = v["F4"]
+        lines += ["", f"Collapsed (observe/outcome.py: monitor, FP32-sampler or held-out drop): {colls}",
+                  f"Fisher's exact test: {fish or '–'}", "",
+                  f"- F1 uncorrected GRPO is hurt by precision alone: **{v['F1']}** (Holm p {_p(v['p_holm']['F1'])})",
+                  f"- F2 the correction beats GRPO, precision alone: **{v['F2']}** (Holm p {_p(v['p_holm']['F2'])})",
+                  f"- F4 the oob rate follows the precision KL: **{f4v['verdict']}** "
+                  f"(pooled trend z {_p(f4v.get('z'))}, p {_p(f4v.get('p'))}; runs increasing "
+                  f"{'/'.join(map(str, f4v.get('runs_increasing') or [])) or '–'}, sign-test p {_p(f4v.get('p_sign'))})", ""]
     f3 = res["F3"]
-    lines += [f"F3 mixed vs homogeneous (sc+mis+top-p, sync): **{f3['verdict']}** "
-              f"({_fmt((f3['effect'] or {}).get('t'))}, margin ±{f3['margin']})", ""]
+    lines += [f"F3 mixed not worse than homogeneous (C, sync, margin {f3['margin']}): **{f3['verdict']}** "
+              f"({_fmt((f3['effect'] or {}).get('t'))}, Holm p {_p(f3.get('p_holm'))})", ""]
     return "\n".join(lines)
 
 
 def main(out: Path, study: dict[str, Any]) -> int:
-    """``mixrl compare --recompute OUT``: judge from ``OUT/data``; writes study.json and study.md."""
+    """``mixrl compare --recompute OUT``: judge from ``OUT/data``; writes design.json and design.md."""
     runs = studydata.load(Path(out))
     if not runs:
         print(f"mixrl compare: no data files under {Path(out) / 'data'}", flush=True)
         return 2
     res = judge(runs, study)
-    (Path(out) / "study.json").with_name("design.json").write_text(json.dumps(res, indent=1, default=float))
+    (Path(out) / "design.json").write_text(json.dumps(res, indent=1, default=float))
     text = markdown(res)
     (Path(out) / "design.md").write_text(text)
     print(text)

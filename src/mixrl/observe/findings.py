@@ -242,20 +242,19 @@ def _f3(c: dict[str, list[Run]], k: int, hard: list[str]) -> Finding:
 
 
 def _f4(c: dict[str, list[Run]], fleet: str) -> Finding:
-    """Precision-only out-of-range tokens against precision KL and sample share (``design.f4``)."""
+    """Precision-only out-of-range token counts against the groups' precision-KL order (``design.f4``)."""
     from mixrl.observe.design import f4
 
-    title = f"4. out-of-range share follows KL, not sample share ({fleet} fleet)"
-    runs = [r for name, rs in c.items() if name.startswith(fleet + "/") for r in rs if len(r.groups()) >= 3]
+    title = f"4. out-of-range rate follows precision KL ({fleet} fleet)"
+    runs = [r for name, rs in c.items() if name.startswith(fleet + "/") for r in rs if len(r.groups()) >= 2]
     res = f4(runs)
-    d = res["interval"]
-    iv = None if d is None else Interval(d["estimate"], d["lo"], d["hi"], d["level"], 0,
-                                         f"{d['seeds']} runs, {d['method']}")
-    ev = (f"staleness-0 tokens only; over {res['runs_with_oob']} runs with such tokens out of range "
-          f"({res['rankings_coincide']} where precision KL and sample share rank the groups identically): "
-          f"Spearman(oob, KL) - Spearman(oob, sample share), average ranks: {_iv(iv)}")
+    groups = ", ".join(f"{g} {v['oob']}/{v['tokens']:.0f} (KL {v['kl']:.3g})" for g, v in res["groups"].items())
+    inc = res.get("runs_increasing")
+    ev = (f"staleness-0 tokens outside [0.2, 5] per group: {groups or 'none'}; {res['test']}"
+          + (f": z {res['z']:.2f}, p {res['p']:.3g}; runs whose own trend increases {inc[0]}/{inc[1]} "
+             f"(sign test p {res['p_sign']:.3g})" if res.get("z") is not None and inc else ""))
     verdict = res["verdict"] if not res["verdict"].startswith("untestable") else "inconclusive"
-    return Finding(title, verdict, ev + ("; " + res["verdict"] if verdict == "inconclusive" else ""), iv)
+    return Finding(title, verdict, ev + ("; " + res["verdict"] if verdict == "inconclusive" else ""))
 
 
 def judge(runs: list[Run], k: int = 4) -> list[Finding]:

@@ -15,11 +15,17 @@ The signals (docs/corrections.md section 10, "Collapse signals"):
    small batches and can turn negative. A step with no staleness-0 token has
    no precision KL and leaves the average unchanged. The early level is the
    mean of the first ``early_steps`` measurements after the ``warmup_steps`` first steps;
-3. ``format_errors``: the smoothed share of episodes ending on repeated format
+3. ``lag_kl_growth``: the same test on the *lag* KL (``lag/kl_exact`` or
+   ``lag/kl_k3``: stale tokens, the trainer against the policy that sampled them).
+   An asynchronous run whose policy runs away from its samplers shows it here,
+   and at its end it may have almost no staleness-0 token left to measure a
+   precision KL on (stress-async/grpo seed 2 of the committed study: precision
+   KL on no token in the last 25 updates, lag KL 0.1 -> 1.7);
+4. ``format_errors``: the smoothed share of episodes ending on repeated format
    errors (``rollout/format_error_end``) exceeds ``format_error_frac``.
 
 A step is flagged ``collapse`` when the reward has dropped and at least one of
-the other two signals is active. Every transition of a signal is an event,
+the other signals is active. Every transition of a signal is an event,
 appended to ``collapse.jsonl`` in the run directory by the caller.
 
 Example::
@@ -43,7 +49,7 @@ from mixrl.observe import keys as K
 KL_KEYS = K.PRECISION_KL
 REWARD_KEY = K.REWARD
 FORMAT_KEY = K.FORMAT_END
-SIGNALS = ("reward_drop", "kl_growth", "format_errors")
+SIGNALS = ("reward_drop", "kl_growth", "lag_kl_growth", "format_errors")
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,9 @@ class CollapseMonitor:
     kl_early: list[float] = field(default_factory=list)
     kl_ema: float | None = None
     fmt_ema: float | None = None
+    lag_key: str | None = None
+    lag_early: list[float] = field(default_factory=list)
+    lag_ema: float | None = None
     active: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(SIGNALS, False))
     first_collapse_step: int | None = None
 
@@ -109,6 +118,13 @@ class CollapseMonitor:
             if self.steps > self.cfg.warmup_steps and len(self.kl_early) < self.cfg.early_steps:
                 self.kl_early.append(kl)
             self.kl_ema = self._ema(self.kl_ema, kl)
+        if self.lag_key is None:
+            self.lag_key = next((k for k in K.LAG_KL if _finite(metrics.get(k)) is not None), None)
+        lag = _finite(metrics.get(self.lag_key)) if self.lag_key else None
+        if lag is not None:
+            if self.steps > self.cfg.warmup_steps and len(self.lag_early) < self.cfg.early_steps:
+                self.lag_early.append(lag)
+            self.lag_ema = self._ema(self.lag_ema, lag)
         f = _finite(metrics.get(FORMAT_KEY))
         if f is not None:
             self.fmt_ema = self._ema(self.fmt_ema, f)
@@ -120,7 +136,7 @@ class CollapseMonitor:
                 events.append({"step": step, "signal": name, "active": now[name], **self.levels()})
         self.active = now
         if self.first_collapse_step is None and now["reward_drop"] and (
-            now["kl_growth"] or now["format_errors"]
+            now["kl_growth"] or now["lag_kl_growth"] or now["format_errors"]
         ):
             self.first_collapse_step = step
             events.append({"step": step, "signal": "collapse", "active": True, **self.levels()})
@@ -139,14 +155,19 @@ class CollapseMonitor:
             and self.kl_ema is not None
             and self.kl_ema >= self.cfg.kl_factor * self.kl_early_level
         )
+        lag = (
+            warm
+            and len(self.lag_early) >= self.cfg.early_steps
+            and self.lag_ema is not None
+            and self.lag_ema >= self.cfg.kl_factor * _level(self.lag_early, self.cfg.kl_floor)
+        )
         fmt = warm and self.fmt_ema is not None and self.fmt_ema > self.cfg.format_error_frac
-        return {"reward_drop": bool(reward), "kl_growth": bool(kl), "format_errors": bool(fmt)}
+        return {"reward_drop": bool(reward), "kl_growth": bool(kl), "lag_kl_growth": bool(lag),
+                "format_errors": bool(fmt)}
 
     @property
     def kl_early_level(self) -> float:
-        if not self.kl_early:
-            return math.nan
-        return max(sum(self.kl_early) / len(self.kl_early), self.cfg.kl_floor)
+        return _level(self.kl_early, self.cfg.kl_floor)
 
     def levels(self) -> dict[str, Any]:
         growth = (self.kl_ema / self.kl_early_level) if self.kl_ema is not None and self.kl_early else None
@@ -157,6 +178,8 @@ class CollapseMonitor:
             "kl_ema": self.kl_ema,
             "kl_early": self.kl_early_level if self.kl_early else None,
             "kl_growth": growth,
+            "lag_kl_ema": self.lag_ema,
+            "lag_kl_early": _level(self.lag_early, self.cfg.kl_floor) if self.lag_early else None,
             "format_error_ema": self.fmt_ema,
         }
 
@@ -167,11 +190,13 @@ class CollapseMonitor:
     def state_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in (
             "steps", "reward_ema", "reward_best", "kl_key", "kl_early", "kl_ema", "fmt_ema",
-            "active", "first_collapse_step")}
+            "lag_key", "lag_early", "lag_ema", "active", "first_collapse_step")}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         for k, v in state.items():
             setattr(self, k, v)
+        # a state saved before a signal existed: that signal starts off
+        self.active = {**dict.fromkeys(SIGNALS, False), **dict(self.active)}
 
 
 def monitor_config(fields: Mapping[str, Any] | None) -> MonitorConfig:
@@ -192,6 +217,11 @@ def replay(rows: list[Mapping[str, Any]],
     for i, row in enumerate(rows, 1):
         events += mon.update(int(row.get("step", i)), row)
     return mon, events
+
+
+def _level(early: list[float], floor: float) -> float:
+    """The early level of a KL: the mean of its first measurements, at least ``floor``."""
+    return max(sum(early) / len(early), floor) if early else math.nan
 
 
 def _finite(x: Any) -> float | None:

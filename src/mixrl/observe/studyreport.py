@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from mixrl.observe import design, paired
+from mixrl.observe import design, outcome, paired
 from mixrl.observe import keys as K
 from mixrl.observe.runs import Run
 from mixrl.observe.stats import passk_matrix
@@ -58,12 +58,16 @@ def weighted(run: Run, key: str, tokens: str) -> float:
     return num / den if den else math.nan
 
 
-def cell_rows(runs: list[Run], k: int, monitor: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per cell (module docstring); every mean is over the cell's seeds."""
+def cell_rows(runs: list[Run], k: int, monitor: dict[str, Any],
+              study: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One row per cell (module docstring); every mean is over the cell's seeds. A run counts
+    as collapsed by the study's outcome (observe/outcome.py: monitor, FP32-sampler or
+    held-out drop); the monitor's first flagged step is shown where it flagged."""
     cells: dict[str, list[Run]] = {}
     for r in runs:
         cells.setdefault(r.cell, []).append(r)
     collapsed = collapse_steps(runs, monitor)
+    why = outcome.collapsed(runs, {**(study or {}), "monitor": monitor})
     rows = []
     for cell, rs in sorted(cells.items()):
         rs = sorted(rs, key=lambda r: r.seed)
@@ -73,7 +77,8 @@ def cell_rows(runs: list[Run], k: int, monitor: dict[str, Any]) -> list[dict[str
         iv = paired.paired_t(per_seed)
         pkl, lkl = pick_key(rs, K.PRECISION_KL), pick_key(rs, K.LAG_KL)
         ptok, ltok = K.split(K.PRECISION, K.TOKENS), K.split(K.LAG, K.TOKENS)
-        flags = [f"{r.seed}@{collapsed[r.name]}" for r in rs if r.name in collapsed]
+        flags = [f"{r.seed}@{collapsed[r.name]}" if r.name in collapsed else f"{r.seed} ({', '.join(why[r.name])})"
+                 for r in rs if r.name in why]
         rows.append({
             "cell": cell, "seeds": len(rs),
             f"pass@{k}": iv.to_dict() if iv else (float(per_seed[0]) if per_seed else math.nan),
@@ -146,7 +151,7 @@ def distance(reg: dict[str, Any]) -> str:
 def build(runs: list[Run], out: Path, study: dict[str, Any], probes: dict[str, Path] | None = None) -> dict[str, Any]:
     res = design.judge(runs, study)
     figs = plot_study(runs, Path(out) / "figures", study.get("monitor", {}))
-    return {"design": res, "cells": cell_rows(runs, res["k"], study.get("monitor", {})), "figures": figs,
+    return {"design": res, "cells": cell_rows(runs, res["k"], study.get("monitor", {}), study), "figures": figs,
             "regime": regime(runs, probes)}
 
 
@@ -162,7 +167,8 @@ CELL_HELP = ("pass@{k}: held-out, final policy, mean over seeds [95% t-interval 
              "training reward, last 10% of updates, each arm's own sampler; reward_fp32: the last scored "
              "checkpoint under one common FP32 sampler; precision_kl / precision_oob: staleness-0 tokens "
              "(token-weighted), lag_kl: stale tokens; staleness: mean policy versions behind; collapsed: "
-             "runs the collapse monitor flags (seed@first step)")
+             "runs the study's collapse outcome counts (seed@first step the monitor flags, or the FP32-sampler "
+             "or held-out drop that counted it)")
 
 
 def markdown(rep: dict[str, Any]) -> str:
