@@ -57,14 +57,14 @@ def test_plan_sync_async_cells(tmp_path):
     args = _args(tmp_path, "--budget", "study", "--fleets", "mixed", "--seeds", "2", "--steps", "5")
     runs = compare.plan(args)
     cells = [(f, a) for f, a, d in runs if d.name == "seed0"]
-    assert cells == [("mixed-sync", "grpo"), ("mixed-async", "grpo"), ("mixed-sync", "sc+mis+top-p"),
-                     ("mixed-async", "sc+mis+top-p"), ("reference", "on-policy")]
+    assert cells == [("mixed-sync", "grpo"), ("mixed-async", "grpo"), ("mixed-sync", "sc"),
+                     ("mixed-async", "sc"), ("reference", "on-policy")]
     assert _cfg(tmp_path, "mixed-sync", "grpo", 0)["runtime"]["mode"] == "sync"
     assert _cfg(tmp_path, "mixed-async", "grpo", 1)["runtime"]["mode"] == "async"
     groups = [g["profile"] for g in _cfg(tmp_path, "mixed-sync", "grpo", 0)["fleet"]["groups"]]
     assert groups == ["b200-nvfp4", "h100-fp8", "h100-bf16", "b200-bf16"]
     full = compare.settings(_args(tmp_path, "--budget", "study"))
-    assert full["steps"] >= 150 and full["seeds"] == 3 and set(full["modes"]) == {"sync", "async"}
+    assert full["steps"] >= 150 and full["seeds"] == 7 and set(full["modes"]) == {"sync", "async"}
     assert compare.split_fleet("stress-async") == ("stress", "async") and compare.split_fleet("mixed") == ("mixed", "async")
 
 
@@ -74,7 +74,7 @@ def test_real_budget_takes_any_model_path(tmp_path, capsys):
     args = _args(tmp_path, "--budget", "real", "--model", "/models/any-135m", "--seeds", "1")
     runs = compare.plan(args)
     assert {f for f, _, _ in runs} == {"mixed-sync", "reference"}
-    cfg = _cfg(tmp_path, "mixed-sync", "sc+mis+top-p", 0)
+    cfg = _cfg(tmp_path, "mixed-sync", "sc", 0)
     assert cfg["model"]["path"] == "/models/any-135m" and cfg["runtime"]["mode"] == "sync"
     assert cfg["trainer"]["lora"]["rank"] == 8 and cfg["optim"]["lr"] == 2e-4
     assert cfg["runtime"]["steps"] == 10
@@ -130,10 +130,11 @@ def test_study_runs_homogeneous_last(tmp_path):
     """Seed-major within two tiers: the stress, mixed and reference cells for every seed first."""
     runs = compare.plan(_args(tmp_path, "--budget", "study", "--steps", "5"))
     names = [f"{f}/{a}/{d.name}" for f, a, d in runs]
-    assert len(names) == 39 and len(set(names)) == 39 and names[0] == "mixed-sync/grpo/seed0"
+    # 7 seeds (0.05 pass@1 at 80% power from the measured SD 0.035, docs/study.md) x 13 cells
+    assert len(names) == 91 and len(set(names)) == 91 and names[0] == "mixed-sync/grpo/seed0"
     first_homogeneous = next(i for i, n in enumerate(names) if n.startswith("homogeneous"))
-    assert first_homogeneous == 27 and all(n.startswith("homogeneous") for n in names[27:])
-    assert [n.rsplit("/", 1)[1] for n in names[:27]] == [f"seed{s}" for s in range(3) for _ in range(9)]
+    assert first_homogeneous == 63 and all(n.startswith("homogeneous") for n in names[63:])
+    assert [n.rsplit("/", 1)[1] for n in names[:63]] == [f"seed{s}" for s in range(7) for _ in range(9)]
     assert _cfg(tmp_path, "mixed-sync", "grpo", 0)["runtime"]["eval"]["base"] is True
     default = compare.plan(_args(tmp_path / "d", "--seeds", "1"))  # one mode: the order is unchanged
     assert [f for f, _, _ in default][:3] == ["mixed", "homogeneous", "stress"]

@@ -160,7 +160,7 @@ class FleetConfig(_Section):
 class LossSection(_Section):
     """The loss: a named preset (mixrl.config.presets) plus field overrides."""
 
-    preset: str = Field(default="sc+mis+top-p", min_length=1, description="preset name")
+    preset: str = Field(default="sc", min_length=1, description="preset name (default sc: docs/corrections.md section 14)")
     overrides: dict[str, Any] = Field(default_factory=dict, description="LossConfig fields that replace the preset's")
 
 

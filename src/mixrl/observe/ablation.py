@@ -15,14 +15,20 @@ also isolated by the pair that differs by it alone:
     score centering        sc − grpo,           sc+mis − grpo+mis
     MIS                    grpo+mis − grpo,     sc+mis − sc
 
-``topp_eval`` (optional) holds the same runs' final policies scored with the
-sampler's nucleus (``mixrl eval RUN/policy --top-p 0.9``): what a top-p arm was
-trained for, beside the full distribution the held-out evaluation scores.
+``OUT/topp/<fleet>/<arm>/seed<s>.json`` (``mixrl compare --ablation OUT --ablation-top-p
+0.9``, which writes them from the run directories' final policies) holds the same held-out
+tasks and sampling seeds scored inside the nucleus (``mixrl eval RUN/policy --top-p 0.9``):
+what a top-p arm was trained for, beside the full distribution that the run's own held-out
+evaluation scores. They are committed with ``OUT/data``, so the table needs no run directory.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tomllib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,8 +51,56 @@ def cell_mean(cell: dict[str, Any]) -> float:
     return float(passk_matrix([cell[s].eval["per_task"] for s in seeds], tasks, 1).mean())
 
 
+def score_top_p(out: Path, top_p: float, jobs: int = 2) -> int:
+    """Score every finished run's final policy inside the nucleus ``top_p`` (held-out tasks,
+    samples and seed of its own evaluation); files already written are kept. Returns how many
+    runs were scored."""
+    todo = []
+    for policy in sorted(Path(out).glob("*/*/seed*/policy")):
+        run = policy.parent
+        rel = run.relative_to(out)
+        dest = Path(out) / "topp" / rel.parent / f"{rel.name}.json"
+        if not dest.exists() and (run / "summary.json").exists():
+            todo.append((run, dest))
+
+    def one(item: tuple[Path, Path]) -> bool:
+        run, dest = item
+        ev = tomllib.loads((run / "config.toml").read_text()).get("runtime", {}).get("eval", {})
+        cmd = [sys.executable, "-m", "mixrl.cli", "eval", str(run / "policy"), "--config", str(run / "config.toml"),
+               "--top-p", str(top_p), "--tasks", str(ev.get("n_tasks", 64)), "--n", str(ev.get("n", 4)),
+               "--k", "1", "--seed", str(ev.get("seed", 1234)), "--threads", "1", "--json"]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode != 0:
+            print(f"  {run}: eval failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+            return False
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"top_p": top_p, "pass@1": res["pass@1"], "per_task": res["per_task"]}))
+        tmp.replace(dest)
+        return True
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        return sum(pool.map(one, todo))
+
+
+def _topp_cells(out: Path, cells: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The runs again with their nucleus-scored ``per_task`` (cells ``<fleet>/<arm>@top-p``)."""
+    import copy
+
+    res: dict[str, dict[str, Any]] = {}
+    for f in sorted(Path(out, "topp").glob("*/*/seed*.json")):
+        cell, seed = f"{f.parent.parent.name}/{f.parent.name}", f.stem
+        if seed in cells.get(cell, {}):
+            r = copy.copy(cells[cell][seed])
+            r.eval = {"per_task": json.loads(f.read_text())["per_task"]}
+            res.setdefault(f"{cell}@top-p", {})[seed] = r
+    return res
+
+
 def judge(out: Path) -> dict[str, Any]:
     cells = _by_seed(studydata.load(Path(out)))
+    cells.update(_topp_cells(Path(out), cells))
     fleets = sorted({c.split("/")[0] for c in cells})
     res: dict[str, Any] = {"metric": "held-out pass@1", "fleets": {}}
     for f in fleets:
@@ -63,7 +117,14 @@ def judge(out: Path) -> dict[str, Any]:
             for plus, minus in pairs:
                 e = effect(cells, [f"{f}/{plus}"], [f"{f}/{minus}"], 1)
                 ingredients[name].append({"contrast": f"{plus} − {minus}", "effect": e, "verdict": _found(e)})
-        res["fleets"][f] = {"arms": arms, "ingredients": ingredients}
+        topp = {}
+        for a in ARMS:  # each arm inside the nucleus, against grpo scored on its full distribution
+            if f"{f}/{a}@top-p" in cells:
+                e = effect(cells, [f"{f}/{a}@top-p"], [f"{f}/grpo"], 1)
+                en = effect(cells, [f"{f}/{a}@top-p"], [f"{f}/grpo@top-p"], 1) if a != "grpo" else None
+                topp[a] = {"pass@1": cell_mean(cells[f"{f}/{a}@top-p"]), "vs grpo (full)": e, "verdict": _found(e),
+                           "vs grpo (nucleus)": en, "verdict_nucleus": _found(en) if en else "(reference)"}
+        res["fleets"][f] = {"arms": arms, "ingredients": ingredients, "scored_in_nucleus": topp}
     return res
 
 
@@ -83,12 +144,26 @@ def markdown(res: dict[str, Any]) -> str:
                 e = row["effect"] or {}
                 lines.append(f"| {name} | {row['contrast']} | {_fmt(e.get('t'))} | {_fmt(e.get('boot'))} | "
                              f"{row['verdict']} |")
+        if v.get("scored_in_nucleus"):
+            lines += ["", "Scored inside the sampler's nucleus (`mixrl eval --top-p`): against grpo on its full "
+                      "distribution, and against grpo scored inside the same nucleus:", "",
+                      "| arm | pass@1 in the nucleus | − grpo (full): t | verdict | − grpo (nucleus): t | bootstrap "
+                      "| verdict |", "|---|---|---|---|---|---|---|"]
+            for a, r in v["scored_in_nucleus"].items():
+                e, en = r["vs grpo (full)"] or {}, r.get("vs grpo (nucleus)") or {}
+                lines.append(f"| {a} | {r['pass@1']:.3f} | {_fmt(e.get('t'))} | {r['verdict']} | "
+                             f"{_fmt(en.get('t'))} | {_fmt(en.get('boot'))} | {r.get('verdict_nucleus', '')} |")
         lines.append("")
     return "\n".join(lines)
 
 
-def main(out: Path) -> int:
-    """``mixrl compare --ablation OUT``: writes OUT/ablation.json and OUT/ablation.md."""
+def main(out: Path, top_p: float | None = None, jobs: int = 2) -> int:
+    """``mixrl compare --ablation OUT [--ablation-top-p P]``: writes OUT/ablation.json and OUT/ablation.md."""
+    if top_p is not None:
+        if not 0 < top_p <= 1:
+            print(f"mixrl compare: --ablation-top-p must be in (0, 1], got {top_p}", file=sys.stderr)
+            return 2
+        print(f"scored {score_top_p(Path(out), top_p, jobs)} final policies inside top-p {top_p}", flush=True)
     if not any((Path(out) / "data").glob("*/*/seed*.json")):
         print(f"mixrl compare: no data files under {Path(out) / 'data'}", flush=True)
         return 2

@@ -21,7 +21,7 @@ run starts, the runs in flight save a checkpoint and stop, ``--resume`` continue
 Precision and lag are separated by the scheduling mode: with ``--modes sync,async``
 each fleet runs in ``runtime.mode = "sync"`` (staleness 0: the samplers' numerics
 alone) and async (numerics + policy lag), under the fleet names ``<fleet>-sync``
-and ``<fleet>-async``: with ``grpo`` and ``sc+mis+top-p`` a 2 x 2 per fleet
+and ``<fleet>-async``: with ``grpo`` and the corrected arm (``[study] corrected``) a 2 x 2 per fleet
 (``observe/design.py`` judges it). The budget ``study`` is that design on the
 toy; ``real`` is its sync half on a model you name (``--model DIR``, LoRA, the
 ``[study.real]`` block of compare.toml). The ``[study]`` table of the config
@@ -61,19 +61,19 @@ STRESS_PROFILES = ("stress-b200-nvfp4", "stress-b300-mxfp4", "stress-h100-fp8")
 # measured wall time is in docs/study.md); "full" is the whole study (~4-7 h projected).
 # --arms/--fleets/--seeds/--steps/--eval-* override a budget.
 BUDGETS: dict[str, dict[str, object]] = {
-    "default": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": STUDY_FLEETS,
+    "default": {"arms": ("grpo", "sc", "on-policy"), "fleets": STUDY_FLEETS,
                 "seeds": 3, "steps": 24, "eval_tasks": 48, "eval_n": 16},
     "full": {"arms": ARMS, "fleets": STUDY_FLEETS, "seeds": 3, "steps": 100, "eval_tasks": 128,
              "eval_n": 16},
     # precision vs lag: every fleet sync and async, over a horizon where a collapse can show
-    "study": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": STUDY_FLEETS,
-              "modes": MODES, "seeds": 3, "steps": 150, "eval_tasks": 48, "eval_n": 16},
+    "study": {"arms": ("grpo", "sc", "on-policy"), "fleets": STUDY_FLEETS,
+              "modes": MODES, "seeds": 7, "steps": 150, "eval_tasks": 48, "eval_n": 16},
     # the correction ablation (observe/ablation.py): each seed arm with and without mismatch
     "ablation": {"arms": ("grpo", "grpo+top-p", "sc", "grpo+mis", "sc+mis", "sc+mis+top-p"),
                  "fleets": ("exact", "mixed"), "modes": ("sync",), "seeds": 5, "steps": 80,
                  "eval_tasks": 48, "eval_n": 16},
     # the real model's precision-only cells; arms, steps and LoRA from [study.real]
-    "real": {"arms": ("grpo", "sc+mis+top-p", "on-policy"), "fleets": ("mixed",), "modes": ("sync",),
+    "real": {"arms": ("grpo", "sc", "on-policy"), "fleets": ("mixed",), "modes": ("sync",),
              "seeds": 3, "steps": 10, "eval_tasks": 48, "eval_n": 16},
 }
 
@@ -113,6 +113,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="recompute every interval from OUT/data (the committed per-run files)")
     a("--ablation", type=Path, default=None, metavar="OUT",
       help="the correction ablation's pass@1 table from OUT/data (observe/ablation.py)")
+    a("--ablation-top-p", type=float, default=None, metavar="P",
+      help="with --ablation: first score each run's final policy inside the nucleus P (OUT/topp)")
     a("--stop-after", type=float, default=None, metavar="MIN",
       help="start no run after MIN minutes (the study continues with --resume)")
     a("--dry-run", action="store_true", help="write the run configs, run nothing")
@@ -376,7 +378,7 @@ def main(args: argparse.Namespace) -> int:
     if args.ablation is not None:
         from mixrl.observe import ablation
 
-        return ablation.main(Path(args.ablation))
+        return ablation.main(Path(args.ablation), args.ablation_top_p, args.jobs)
     try:
         if args.resume is not None:
             _restore(args)

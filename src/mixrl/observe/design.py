@@ -195,10 +195,18 @@ def _fisher(cells: dict[str, dict[str, Run]], col: dict[str, list[str]], a: str,
     return {"a": a, "b": b, "collapsed": [ya, yb], "runs": [na, nb], "p": prereg.fisher(ya, na - ya, yb, nb - yb)}
 
 
+def corrected_arm(runs: list[Run], study: dict[str, Any]) -> str:
+    """``[study] corrected`` when the data holds it; else the one non-G arm of the sync cells
+    (a study committed with another corrected arm is judged with its own)."""
+    want = str(study.get("corrected", C))
+    arms = {r.arm for r in runs if r.fleet.endswith("-sync")} - {G}
+    return arms.pop() if want not in arms and len(arms) == 1 else want
+
+
 def judge(runs: list[Run], study: dict[str, Any]) -> dict[str, Any]:
     cells = _by_seed(runs)
     k2 = int(next((r.eval.get("k") for r in runs if r.eval.get("k")), 4))
-    c_arm = str(study.get("corrected", C))
+    c_arm = corrected_arm(runs, study)
     mon, margin, alpha = study.get("monitor", {}), float(study.get("f3_margin", 0.05)), float(study.get("alpha", 0.05))
     col = outcome.collapsed(runs, study)
     fleets = sorted({r.fleet[: -len("-sync")] for r in runs if r.fleet.endswith("-sync")})

@@ -178,7 +178,8 @@ def markdown(rep: dict[str, Any]) -> str:
              "Every effect is a paired difference over seeds (same seed: same prompts; the same held-out "
              f"tasks and sampling seeds in every run), on pass@{k}, with two intervals: "
              f"95% {paired.T_METHOD} and 95% {paired.BOOT_METHOD} (observe/paired.py). An effect is "
-             "found only when both exclude 0. G = `grpo`, C = `sc+mis+top-p` (the corrected loss):", "",
+             f"found only when both exclude 0. G = `grpo`, C = `{res.get('corrected', design.C)}` (the corrected loss); "
+             "F1–F3 are judged by the pre-registered tests (observe/design.py):", "",
              "- precision effect (arm) = arm @ fleet-sync − on-policy (staleness 0: the samplers' numerics "
              "alone)",
              "- lag effect (arm) = arm @ fleet-async − arm @ fleet-sync (what asynchrony adds, same fleet)",
