@@ -145,3 +145,37 @@ def test_evaluation_keeps_the_reasons_of_samples_without_reward(mini_model, monk
     assert r["status"] == {"infra_failed": 6} and r["n_tasks"] == 0 and math.isnan(r["pass@1"])
     assert r["errors"] == {"generate raised ConnectionError: replica gone": 6}
     assert "6 of 6 samples have no reward" in caplog.text and "replica gone" in caplog.text
+
+
+def test_eval_samples_inside_the_nucleus_it_is_given(tmp_path, capsys, monkeypatch) -> None:
+    """``top_p`` reaches every request the engine samples (the engine's own top-p sampling is
+    tested in test_engine.py), the result records it, and a bad value exits 2."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mixrl.models.policy import tiny_config
+    from mixrl.models.tokenizer import save_tokenizer
+    from mixrl.rollout import evaluate as ev
+    from mixrl.sampling.batching import BatchingSampler
+
+    torch.manual_seed(0)
+    tok = save_tokenizer(tmp_path)
+    AutoModelForCausalLM.from_config(tiny_config(len(tok), pad_id=tok.pad_token_id,
+                                                 eos_id=tok.eos_token_id)).save_pretrained(tmp_path)
+    seen, real = [], BatchingSampler.generate
+
+    async def spy(self, req):
+        seen.append(req.params.top_p)
+        return await real(self, req)
+
+    monkeypatch.setattr(BatchingSampler, "generate", spy)
+    kw = dict(k=2, n=3, n_tasks=4, max_new_tokens=6, max_total_tokens=64, num_threads=1)
+    full = ev.evaluate(tmp_path, seed=5, **kw)
+    assert set(seen) == {1.0} and full["top_p"] == 1.0
+    seen.clear()
+    nucleus = ev.evaluate(tmp_path, seed=5, top_p=0.9, **kw)
+    assert len(seen) >= 12 and set(seen) == {0.9} and nucleus["top_p"] == 0.9
+    p = argparse.ArgumentParser()
+    ev.configure(p)
+    assert ev.main(p.parse_args([str(tmp_path), "--k", "1", "--tasks", "1", "--top-p", "0"])) == 2
+    assert "top_p must be in (0, 1]" in capsys.readouterr().out

@@ -138,3 +138,25 @@ def test_study_runs_homogeneous_last(tmp_path):
     assert _cfg(tmp_path, "mixed-sync", "grpo", 0)["runtime"]["eval"]["base"] is True
     default = compare.plan(_args(tmp_path / "d", "--seeds", "1"))  # one mode: the order is unchanged
     assert [f for f, _, _ in default][:3] == ["mixed", "homogeneous", "stress"]
+
+
+def test_docs_budget_table_matches_the_code(tmp_path):
+    """docs/study.md's budget table says what each budget runs: seeds, updates, modes, held-out size."""
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "study.md").read_text()
+    rows = [ln for ln in doc.splitlines() if ln.startswith("| `") and ln.count("|") == 8]
+    table = {r.split("|")[1].strip().strip("`"): [c.strip() for c in r.split("|")[2:-1]] for r in rows}
+    assert set(table) == set(compare.BUDGETS)
+    for name in compare.BUDGETS:
+        extra = ["--model", "/m"] if name == "real" else []
+        b = compare.settings(_args(tmp_path, "--budget", name, *extra))
+        arms, fleets, modes, seeds, steps, ev = table[name]
+        assert int(seeds) == b["seeds"] and int(steps) == b["steps"], name
+        assert ev == f"{b['eval_tasks']} tasks × n = {b['eval_n']}", name
+        assert modes == {("async",): "async", ("sync",): "sync", ("sync", "async"): "sync and async"}[tuple(b["modes"])]
+        seed_six = {"grpo", "grpo+mis", "sc", "grpo+top-p", "sc+mis", "sc+mis+top-p"}
+        for arm in b["arms"]:
+            assert f"`{arm}`" in arms or ("six seed arms" in arms and seed_six <= set(b["arms"])), (name, arm)
+        if name != "real":
+            assert all(f in fleets for f in b["fleets"]), name
