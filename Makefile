@@ -9,7 +9,7 @@ test:
 	@scripts/bootstrap.sh --dev
 	.venv/bin/ruff check src/mixrl/corrections src/mixrl/numerics src/mixrl/observe
 	.venv/bin/mypy src/mixrl/corrections src/mixrl/numerics
-	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q   # the documentation site (scripts/gen_docs.py)
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict   # the documentation site (scripts/gen_docs.py)
 	.venv/bin/python -m pytest
 
 lint:

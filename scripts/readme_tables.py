@@ -271,7 +271,7 @@ def _study(name: str) -> str:
                f"C = `{corrected}`; primary outcome held-out pass@{k}; precision = sync cell − on-policy, "
                "lag = async − sync; F1–F3 are the pre-registered tests (paired t over seeds, Holm over F1–F3 at "
                f"α = {design.get('alpha', 0.05)}); the other effects are exploratory and count when both intervals "
-               "exclude 0; collapsed = monitor, FP32-sampler or held-out drop (observe/outcome.py); KL and "
+               "exclude 0; collapsed = monitor, FP32-sampler or held-out drop (`src/mixrl/observe/outcome.py`); KL and "
                "out-of-range share over staleness-0 tokens (precision) or stale tokens (lag).")
     return "\n".join(out)
 
