@@ -224,6 +224,8 @@ def test_fp32_score_runs_the_real_evaluation(tmp_path):
     assert res["profile"] == "fp32" and 0.0 <= res["mean_reward"] <= 1.0, res
     assert len(res["per_task"]) == 2 and all(v[0] == 2 for v in res["per_task"].values())
     assert "error" in studydata.fp32_score(tmp_path / "no-such-model", tmp_path, 2, 2, 5)
+    nucleus = studydata.fp32_score("bundled", tmp_path, n_tasks=2, n=2, seed=5, top_p=0.9)  # the ablation's scoring
+    assert set(nucleus["per_task"]) == set(res["per_task"]) and 0.0 <= nucleus["pass@1"] <= 1.0
 
 
 def test_projection_scales_the_calibration_by_the_runs(tmp_path):

@@ -24,8 +24,8 @@ evaluation scores. They are committed with ``OUT/data``, so the table needs no r
 
 from __future__ import annotations
 
+import copy
 import json
-import subprocess
 import sys
 import tomllib
 from concurrent.futures import ThreadPoolExecutor
@@ -66,14 +66,11 @@ def score_top_p(out: Path, top_p: float, jobs: int = 2) -> int:
     def one(item: tuple[Path, Path]) -> bool:
         run, dest = item
         ev = tomllib.loads((run / "config.toml").read_text()).get("runtime", {}).get("eval", {})
-        cmd = [sys.executable, "-m", "mixrl.cli", "eval", str(run / "policy"), "--config", str(run / "config.toml"),
-               "--top-p", str(top_p), "--tasks", str(ev.get("n_tasks", 64)), "--n", str(ev.get("n", 4)),
-               "--k", "1", "--seed", str(ev.get("seed", 1234)), "--threads", "1", "--json"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
-            print(f"  {run}: eval failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+        res = studydata.fp32_score(run / "policy", run, int(ev.get("n_tasks", 64)), int(ev.get("n", 4)),
+                                   int(ev.get("seed", 1234)), top_p=top_p)
+        if "error" in res:
+            print(f"  {run}: eval failed: {res['error']}", flush=True)
             return False
-        res = json.loads(p.stdout.strip().splitlines()[-1])
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.with_suffix(".tmp")
         tmp.write_text(json.dumps({"top_p": top_p, "pass@1": res["pass@1"], "per_task": res["per_task"]}))
@@ -86,8 +83,6 @@ def score_top_p(out: Path, top_p: float, jobs: int = 2) -> int:
 
 def _topp_cells(out: Path, cells: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """The runs again with their nucleus-scored ``per_task`` (cells ``<fleet>/<arm>@top-p``)."""
-    import copy
-
     res: dict[str, dict[str, Any]] = {}
     for f in sorted(Path(out, "topp").glob("*/*/seed*.json")):
         cell, seed = f"{f.parent.parent.name}/{f.parent.name}", f.stem

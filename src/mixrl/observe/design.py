@@ -146,9 +146,10 @@ def _group_counts(r: Run) -> dict[str, dict[str, float]]:
 def f4(cell_runs: list[Run], alpha: float = 0.05) -> dict[str, Any]:
     """Cochran–Armitage trend of the oob rate over the groups ordered by precision KL, counts
     pooled over ``cell_runs`` (staleness-0 tokens only)."""
+    per_run = [_group_counts(r) for r in cell_runs]
     pooled: dict[str, dict[str, float]] = {}
-    for r in cell_runs:
-        for g, v in _group_counts(r).items():
+    for counts in per_run:
+        for g, v in counts.items():
             acc = pooled.setdefault(g, {"tokens": 0.0, "oob": 0.0, "klw": 0.0})
             acc["tokens"] += v["tokens"]
             acc["oob"] += v["oob"]
@@ -169,8 +170,7 @@ def f4(cell_runs: list[Run], alpha: float = 0.05) -> dict[str, Any]:
     # tokens of one run are not independent: the pooled z is read only where the runs agree
     # (a one-sided sign test over the runs' own trend statistics, same order of groups)
     signs = []
-    for r in cell_runs:
-        v = _group_counts(r)
+    for v in per_run:
         if all(g in v and v[g]["tokens"] > 0 for g in order):
             zr, _ = prereg.trend([v[g]["oob"] for g in order], [v[g]["tokens"] for g in order],
                                  list(range(len(order))))
@@ -210,7 +210,7 @@ def judge(runs: list[Run], study: dict[str, Any]) -> dict[str, Any]:
     mon, margin, alpha = study.get("monitor", {}), float(study.get("f3_margin", 0.05)), float(study.get("alpha", 0.05))
     col = outcome.collapsed(runs, study)
     fleets = sorted({r.fleet[: -len("-sync")] for r in runs if r.fleet.endswith("-sync")})
-    base_held, _ = outcome.base_policy(runs)
+    base_held, _ = outcome.base_policy(runs)  # the starting policy's held-out counts
     gain = None
     if REF in cells and base_held:
         gain = float(np.mean([outcome.pass1(r.eval.get("per_task"), sorted(base_held)) for r in cells[REF].values()])

@@ -34,13 +34,13 @@ def pass1(per_task: dict[str, Any] | None, tasks: list[str] | None = None) -> fl
     return float(np.nanmean(passk_matrix([per_task], ts, 1))) if ts else math.nan
 
 
-def base_policy(runs: list[Run]) -> tuple[dict[str, Any], dict[str, float]]:
+def base_policy(runs: list[Run]) -> tuple[dict[str, Any], float]:
     """The starting policy's held-out ``per_task`` and FP32-sampler scores (step 0), from the
     study's first run (the only one that evaluates it)."""
     held = next((r.base.get("per_task") for r in runs if (r.base or {}).get("per_task")), None) or {}
     fp32 = next((float(v["mean_reward"]) for r in runs for s, v in (r.config.get("fp32") or {}).items()
                  if int(s) == 0 and "mean_reward" in v), math.nan)
-    return held, {"fp32": fp32}
+    return held, fp32
 
 
 def fp32_scores(r: Run) -> list[tuple[int, float]]:
@@ -68,5 +68,5 @@ def reasons(r: Run, study: dict[str, Any], base_held: dict[str, Any], base_fp32:
 
 def collapsed(runs: list[Run], study: dict[str, Any]) -> dict[str, list[str]]:
     """Run name -> its reasons, for every collapsed run."""
-    held, fp = base_policy(runs)
-    return {r.name: why for r in runs if (why := reasons(r, study, held, fp["fp32"]))}
+    held, fp32 = base_policy(runs)
+    return {r.name: why for r in runs if (why := reasons(r, study, held, fp32))}

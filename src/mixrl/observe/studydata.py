@@ -71,16 +71,17 @@ def data_file(out: Path, run_dir: Path) -> Path:
 
 
 def fp32_score(policy: str | Path, run_dir: Path, n_tasks: int, n: int, seed: int,
-               threads: int = 1) -> dict[str, Any]:
-    """``mixrl eval POLICY --config RUN/config.toml --profile fp32`` in its own process."""
+               threads: int = 1, top_p: float = 1.0) -> dict[str, Any]:
+    """``mixrl eval POLICY --config RUN/config.toml --profile fp32 [--top-p P]`` in its own process."""
     cmd = [sys.executable, "-m", "mixrl.cli", "eval", str(policy), "--config", str(run_dir / "config.toml"),
            "--profile", "fp32", "--tasks", str(n_tasks), "--n", str(n), "--k", "1", "--seed", str(seed),
-           "--threads", str(threads), "--json"]
+           "--threads", str(threads), "--top-p", str(top_p), "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         return {"error": (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]}
     res = json.loads(p.stdout.strip().splitlines()[-1])
-    return {"mean_reward": res["mean_reward"], "per_task": res.get("per_task", {}), "profile": res["profile"]}
+    return {"mean_reward": res["mean_reward"], "pass@1": res["pass@1"], "per_task": res.get("per_task", {}),
+            "profile": res["profile"]}
 
 
 def score_checkpoints(run_dir: Path, n_tasks: int, n: int, seed: int, base: bool,
