@@ -25,7 +25,7 @@ import pytest
 
 from mixrl.config.schema import LossSection
 from mixrl.observe import ablation, compare, studydata
-from mixrl.observe.design import _by_seed
+from mixrl.observe.design import by_seed
 
 BOUND = 0.06
 
@@ -52,7 +52,7 @@ def test_default_preset_learns_as_grpo_where_there_is_no_mismatch(tmp_path):
                             "--steps", "40", "--eval-tasks", "48", "--eval-n", "16", "--jobs", "2",
                             "--out", str(out), "--no-report"))
     assert rc == 0
-    cells = _by_seed(studydata.load(out))
+    cells = by_seed(studydata.load(out))
     g, d = _pass1(cells["exact-sync/grpo"]), _pass1(cells[f"exact-sync/{default}"])
     base = json.loads((out / "exact-sync" / "grpo" / "seed0" / "eval.json").read_text())["base"]["pass@1"]
     assert g.mean() > base + 0.1, f"grpo did not learn: pass@1 {base:.3f} -> {g.mean():.3f}"

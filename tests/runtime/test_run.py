@@ -190,11 +190,16 @@ def test_stop_request_checkpoints_in_flight_and_resume_continues(tiny_policy: Pa
     assert idx == list(range(ck["task_source"]["cursor"]))
 
 
-def test_every_section10_metric_is_reported(tiny_policy: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset,exact", [("sc+mis+top-p", True), ("sc", False)])
+def test_every_section10_metric_is_reported(tiny_policy: Path, tmp_path: Path, preset: str, exact: bool) -> None:
+    """Every required metric; the exact KL where the support is recorded (a top-p preset),
+    not with the default preset, which records the head of q only."""
     from mixrl.observe.sinks import missing
 
-    cfg = tiny_cfg(tiny_policy, tmp_path, runtime={"steps": 2}, observe={"tensorboard": True})
+    cfg = tiny_cfg(tiny_policy, tmp_path, runtime={"steps": 2}, observe={"tensorboard": True},
+                   loss={"preset": preset})
     train(cfg, evaluate=False)
     last = metrics(tmp_path)[-1]
-    assert missing(last, ["fp32", "fp8"], exact=True) == []
+    assert missing(last, ["fp32", "fp8"], exact=exact) == []
+    assert ("mismatch/kl_exact" in last) == exact
     assert list((tmp_path / "tb").glob("events.out.tfevents.*"))

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.observe import studydata
-from mixrl.observe.design import _by_seed, _fmt, _found, effect
+from mixrl.observe.design import by_seed, effect, fmt_iv, found
 from mixrl.observe.stats import passk_matrix
 
 ARMS = ("grpo", "grpo+top-p", "sc", "grpo+mis", "sc+mis", "sc+mis+top-p")
@@ -94,7 +94,7 @@ def _topp_cells(out: Path, cells: dict[str, dict[str, Any]]) -> dict[str, dict[s
 
 
 def judge(out: Path) -> dict[str, Any]:
-    cells = _by_seed(studydata.load(Path(out)))
+    cells = by_seed(studydata.load(Path(out)))
     cells.update(_topp_cells(Path(out), cells))
     fleets = sorted({c.split("/")[0] for c in cells})
     res: dict[str, Any] = {"metric": "held-out pass@1", "fleets": {}}
@@ -105,20 +105,20 @@ def judge(out: Path) -> dict[str, Any]:
             if a != "grpo":
                 e = effect(cells, [f"{f}/{a}"], [f"{f}/grpo"], 1)
                 arms[a]["vs grpo"] = e
-                arms[a]["verdict"] = _found(e)
+                arms[a]["verdict"] = found(e)
         ingredients = {}
         for name, pairs in PAIRS.items():
             ingredients[name] = []
             for plus, minus in pairs:
                 e = effect(cells, [f"{f}/{plus}"], [f"{f}/{minus}"], 1)
-                ingredients[name].append({"contrast": f"{plus} − {minus}", "effect": e, "verdict": _found(e)})
+                ingredients[name].append({"contrast": f"{plus} − {minus}", "effect": e, "verdict": found(e)})
         topp = {}
         for a in ARMS:  # each arm inside the nucleus, against grpo scored on its full distribution
             if f"{f}/{a}@top-p" in cells:
                 e = effect(cells, [f"{f}/{a}@top-p"], [f"{f}/grpo"], 1)
                 en = effect(cells, [f"{f}/{a}@top-p"], [f"{f}/grpo@top-p"], 1) if a != "grpo" else None
-                topp[a] = {"pass@1": cell_mean(cells[f"{f}/{a}@top-p"]), "vs grpo (full)": e, "verdict": _found(e),
-                           "vs grpo (nucleus)": en, "verdict_nucleus": _found(en) if en else "(reference)"}
+                topp[a] = {"pass@1": cell_mean(cells[f"{f}/{a}@top-p"]), "vs grpo (full)": e, "verdict": found(e),
+                           "vs grpo (nucleus)": en, "verdict_nucleus": found(en) if en else "(reference)"}
         res["fleets"][f] = {"arms": arms, "ingredients": ingredients, "scored_in_nucleus": topp}
     return res
 
@@ -131,13 +131,13 @@ def markdown(res: dict[str, Any]) -> str:
                   "|---|---|---|---|---|---|"]
         for a, r in v["arms"].items():
             e = r.get("vs grpo") or {}
-            lines.append(f"| {a} | {r['seeds']} | {r['pass@1']:.3f} | {_fmt(e.get('t'))} | "
-                         f"{_fmt(e.get('boot'))} | {r.get('verdict', '(reference)')} |")
+            lines.append(f"| {a} | {r['seeds']} | {r['pass@1']:.3f} | {fmt_iv(e.get('t'))} | "
+                         f"{fmt_iv(e.get('boot'))} | {r.get('verdict', '(reference)')} |")
         lines += ["", "| ingredient | contrast | t | bootstrap | verdict |", "|---|---|---|---|---|"]
         for name, rows in v["ingredients"].items():
             for row in rows:
                 e = row["effect"] or {}
-                lines.append(f"| {name} | {row['contrast']} | {_fmt(e.get('t'))} | {_fmt(e.get('boot'))} | "
+                lines.append(f"| {name} | {row['contrast']} | {fmt_iv(e.get('t'))} | {fmt_iv(e.get('boot'))} | "
                              f"{row['verdict']} |")
         if v.get("scored_in_nucleus"):
             lines += ["", "Scored inside the sampler's nucleus (`mixrl eval --top-p`): against grpo on its full "
@@ -146,8 +146,8 @@ def markdown(res: dict[str, Any]) -> str:
                       "| verdict |", "|---|---|---|---|---|---|---|"]
             for a, r in v["scored_in_nucleus"].items():
                 e, en = r["vs grpo (full)"] or {}, r.get("vs grpo (nucleus)") or {}
-                lines.append(f"| {a} | {r['pass@1']:.3f} | {_fmt(e.get('t'))} | {r['verdict']} | "
-                             f"{_fmt(en.get('t'))} | {_fmt(en.get('boot'))} | {r.get('verdict_nucleus', '')} |")
+                lines.append(f"| {a} | {r['pass@1']:.3f} | {fmt_iv(e.get('t'))} | {r['verdict']} | "
+                             f"{fmt_iv(en.get('t'))} | {fmt_iv(en.get('boot'))} | {r.get('verdict_nucleus', '')} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -58,7 +58,7 @@ C = "sc+mis+top-p"  # the corrected arm when the [study] table names none (the c
 PRIMARY_K = 1  # pre-registered primary outcome: held-out pass@1
 
 
-def _by_seed(runs: list[Run]) -> dict[str, dict[str, Run]]:
+def by_seed(runs: list[Run]) -> dict[str, dict[str, Run]]:
     out: dict[str, dict[str, Run]] = {}
     for r in runs:
         out.setdefault(r.cell, {})[r.seed] = r
@@ -113,7 +113,7 @@ def reward_fp32(r: Run) -> float:
     return float(scores[max(scores)]["mean_reward"]) if scores else math.nan
 
 
-def _found(e: dict[str, Any] | None) -> str:
+def found(e: dict[str, Any] | None) -> str:
     """"lower" / "higher" when both intervals exclude 0 on the same side, else not distinguishable."""
     if not e or not e["t"] or not e["boot"]:
         return "inconclusive"
@@ -204,7 +204,7 @@ def corrected_arm(runs: list[Run], study: dict[str, Any]) -> str:
 
 
 def judge(runs: list[Run], study: dict[str, Any]) -> dict[str, Any]:
-    cells = _by_seed(runs)
+    cells = by_seed(runs)
     k2 = int(next((r.eval.get("k") for r in runs if r.eval.get("k")), 4))
     c_arm = corrected_arm(runs, study)
     mon, margin, alpha = study.get("monitor", {}), float(study.get("f3_margin", 0.05)), float(study.get("alpha", 0.05))
@@ -230,7 +230,7 @@ def judge(runs: list[Run], study: dict[str, Any]) -> dict[str, Any]:
                if all(c in cells for c in pl + mi)}
         for e in eff.values():
             if e is not None:
-                e["verdict"] = _found(e)
+                e["verdict"] = found(e)
         counts = {c: f"{sum(r.name in col for r in cells[c].values())}/{len(cells[c])}"
                   for c in cells if c.startswith((s, a))}
         fisher = {name: t for name, (x, y) in {
@@ -278,7 +278,7 @@ def _verdict(e: dict[str, Any] | None, p_adj: float, alpha: float, sign: int, ye
     return yes if sign * e["t"]["estimate"] > 0 else "not reproduced"
 
 
-def _fmt(d: dict[str, Any] | None) -> str:
+def fmt_iv(d: dict[str, Any] | None) -> str:
     return "–" if not d else f"{d['estimate']:+.3f} [{d['lo']:+.3f}, {d['hi']:+.3f}]"
 
 
@@ -299,9 +299,9 @@ def markdown(res: dict[str, Any]) -> str:
                   "| FP32-sampler reward (t) | verdict |", "|---|---|---|---|---|---|---|"]
         for name, e in v["effects"].items():
             e = e or {}
-            lines.append(f"| {name} | {_fmt(e.get('t'))} | {_fmt(e.get('boot'))} | {_p(e.get('p'))} | "
-                         f"{_fmt((e.get('secondary') or {}).get('t'))} | {_fmt(e.get('reward_fp32'))} | "
-                         f"{_found(e or None)} |")
+            lines.append(f"| {name} | {fmt_iv(e.get('t'))} | {fmt_iv(e.get('boot'))} | {_p(e.get('p'))} | "
+                         f"{fmt_iv((e.get('secondary') or {}).get('t'))} | {fmt_iv(e.get('reward_fp32'))} | "
+                         f"{found(e or None)} |")
         colls = ", ".join(f"{c} {n}" for c, n in sorted(v["collapsed"].items()))
         fish = "; ".join(f"{n}: {t['collapsed'][0]}/{t['runs'][0]} vs {t['collapsed'][1]}/{t['runs'][1]}, "
                          f"p = {_p(t['p'])}" for n, t in v["fisher"].items())
@@ -315,7 +315,7 @@ def markdown(res: dict[str, Any]) -> str:
                   f"{'/'.join(map(str, f4v.get('runs_increasing') or [])) or '–'}, sign-test p {_p(f4v.get('p_sign'))})", ""]
     f3 = res["F3"]
     lines += [f"F3 mixed not worse than homogeneous (C, sync, margin {f3['margin']}): **{f3['verdict']}** "
-              f"({_fmt((f3['effect'] or {}).get('t'))}, Holm p {_p(f3.get('p_holm'))})", ""]
+              f"({fmt_iv((f3['effect'] or {}).get('t'))}, Holm p {_p(f3.get('p_holm'))})", ""]
     return "\n".join(lines)
 
 

@@ -166,9 +166,7 @@ def evaluate(
     Returns a dict with ``pass@1``, ``pass@<k>``, ``n_tasks``, ``n``, ``k``,
     ``mean_reward``, ``status`` counts, ``infra_failed``, ``tasks_incomplete``,
     ``per_family`` (the same metrics per family) and ``wall_s``.
-    ``top_p`` < 1 samples inside the nucleus (the policy a top-p sampler deploys); the
-    default 1.0 scores the full distribution ``p``, which is what a trainer that replays
-    a top-p support never trains on its tail (docs/corrections.md section 3).
+    ``top_p`` < 1 samples inside that nucleus; 1.0 scores the full ``p`` (docs/corrections.md §14).
     ``env_options`` go to ``make_env`` (they override ``max_turns``);
     ``chat_template`` (a Jinja file) replaces the tokenizer's own.
     """
@@ -194,8 +192,7 @@ def evaluate(
         raise ValueError(f"evaluate: n_tasks must be in [1, {len(src)}] for {task!r}, got {n_tasks}")
     tasks = [src[i] for i in range(n_tasks)]
     engine = make_engine(str(path), prof, prof, seed=seed, max_batch=max_batch, num_threads=num_threads)
-    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                            record="none")
+    params = SamplingParams(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, record="none")
     env_kw = {"max_turns": max_turns, **(env_options or {})}
 
     async def run_all() -> list[Any]:
