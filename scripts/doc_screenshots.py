@@ -21,7 +21,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "scripts")]
 
 import gen_docs  # noqa: E402
 
-from mixrl.observe.screenshot import screenshot  # noqa: E402
+from mixrl.lab.study.screenshot import screenshot  # noqa: E402
 
 STYLE = ("body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;font-size:14px;max-width:1560px;"
          "margin:16px auto;color:#1f2328}table{border-collapse:collapse}th,td{border:1px solid #d1d9e0;"

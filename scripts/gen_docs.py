@@ -11,8 +11,8 @@ Nothing generated is committed, so nothing drifts:
   type, default, bounds and description, nested models and each variant of a
   discriminated union included (``config_fields`` lists them; a test compares
   that list with the models');
-- the CLI reference from the argparse parsers (``mixrl.cli.COMMANDS`` and the
-  benchmarks of ``mixrl.bench.cli.BENCHES``);
+- the CLI reference from the argparse parsers (``mixrl.commands.main.COMMANDS`` and the
+  benchmarks of ``mixrl.lab.bench.cli.BENCHES``);
 - the API reference: one mkdocstrings page per module of ``API_MODULES``;
 - guide and concept pages cut from README.md and docs/corrections.md by heading,
   and the results page rendered from docs/artifacts/ by scripts/readme_tables.py.
@@ -53,7 +53,7 @@ API_MODULES = (
     "mixrl.corrections.regularizers", "mixrl.corrections.types",
     "mixrl.config.schema", "mixrl.config.io", "mixrl.config.loss", "mixrl.config.presets",
     "mixrl.envs.base", "mixrl.envs.rewards", "mixrl.sampling.base", "mixrl.sampling.profiles",
-    "mixrl.rollout.types", "mixrl.runtime.run", "mixrl.bench.headlines",
+    "mixrl.records.trajectory", "mixrl.runtime.run", "mixrl.lab.bench.headlines",
 )
 
 # ----------------------------------------------------------------- configuration reference
@@ -248,8 +248,8 @@ def _rst(text: str) -> str:
 
 
 def cli_page() -> str:
-    from mixrl.bench.cli import BENCHES
-    from mixrl.cli import COMMANDS
+    from mixrl.commands.main import COMMANDS
+    from mixrl.lab.bench.cli import BENCHES
 
     old = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal width: fix it

@@ -8,7 +8,7 @@ Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` in
 README.md and is made only from artifact files (``scripts/record.py`` and
 ``mixrl bench --save`` write them, with the command and the machine's facts):
 no figure in those tables is typed by hand. The benchmark table shows each
-benchmark's headline figures as ``mixrl.bench.headlines`` declares them, one row
+benchmark's headline figures as ``mixrl.lab.bench.headlines`` declares them, one row
 each, and links the full JSON. Standard library only.
 """
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "docs" / "artifacts"
 sys.path.insert(0, str(ROOT / "src"))
 
-from mixrl.bench import headlines  # noqa: E402 - standard library only, found through src/
+from mixrl.lab.bench import headlines  # noqa: E402 - standard library only, found through src/
 
 
 def _load(name: str) -> dict | None:
@@ -179,7 +179,7 @@ def table_probe_real() -> str:
 
 
 def table_bench(link: str = "docs/artifacts/") -> str:
-    """One row per headline figure (``mixrl.bench.headlines``), each linking its full JSON."""
+    """One row per headline figure (``mixrl.lab.bench.headlines``), each linking its full JSON."""
     rows, commands = [], []
     for path in sorted(ARTIFACTS.glob("bench_*.json")):
         art = json.loads(path.read_text())
@@ -271,7 +271,7 @@ def _study(name: str) -> str:
                f"C = `{corrected}`; primary outcome held-out pass@{k}; precision = sync cell − on-policy, "
                "lag = async − sync; F1–F3 are the pre-registered tests (paired t over seeds, Holm over F1–F3 at "
                f"α = {design.get('alpha', 0.05)}); the other effects are exploratory and count when both intervals "
-               "exclude 0; collapsed = monitor, FP32-sampler or held-out drop (`src/mixrl/observe/outcome.py`); KL and "
+               "exclude 0; collapsed = monitor, FP32-sampler or held-out drop (`src/mixrl/lab/study/outcome.py`); KL and "
                "out-of-range share over staleness-0 tokens (precision) or stale tokens (lag).")
     return "\n".join(out)
 

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
     start = text.find("{") if text.lstrip().startswith("{") else text.rfind("\n{") + 1
     result = json.loads(text[start:])
 
-    from mixrl.bench.machine import facts
+    from mixrl.lab.bench.machine import facts
 
     record = {"command": " ".join(argv[2:]), "machine": facts(), "result": result}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> int:
         return 2
     out = Path(argv[0]).resolve()
     sys.path.insert(0, str(ROOT / "src"))
-    from mixrl.bench.machine import facts  # stdlib only: no environment needed yet
+    from mixrl.lab.bench.machine import facts  # stdlib only: no environment needed yet
 
     machine = facts()
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()

@@ -25,7 +25,7 @@ import pytest
 import torch
 from chat_templates import bpe_tokenizer
 
-from mixrl.sampling.base import GenerationRequest, SamplingParams
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.sampling.builtin.engine import BuiltinEngine
 from mixrl.sampling.profiles import get_profile, with_overrides
 

@@ -8,7 +8,8 @@ import asyncio
 import pytest
 import torch
 
-from mixrl.sampling.base import GenerationRequest, ReplicaFailure, SamplingParams
+from mixrl.records.generation import GenerationRequest, SamplingParams
+from mixrl.sampling.base import ReplicaFailure
 from mixrl.sampling.batching import BatchingSampler
 from mixrl.sampling.builtin.engine import BuiltinEngine
 from mixrl.sampling.profiles import get_profile

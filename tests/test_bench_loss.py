@@ -6,9 +6,9 @@ import json
 
 import torch
 
-from mixrl import cli
-from mixrl.bench import cli as bench_cli
-from mixrl.bench.loss import nucleus
+from mixrl.commands import main as cli
+from mixrl.lab.bench import cli as bench_cli
+from mixrl.lab.bench.loss import nucleus
 
 KEYS = ("T", "V", "d", "naive_peak_mb", "chunked_peak_mb", "naive_s", "chunked_s",
         "grpo_loss_s", "sc_mis_topp_loss_s")
@@ -41,12 +41,12 @@ def test_nucleus_matches_sorted_cumsum():
 
 
 def test_bench_dispatch_missing_module(monkeypatch, capsys):
-    monkeypatch.setitem(bench_cli.BENCHES, "ghost", ("mixrl.bench.no_such_module", "absent"))
+    monkeypatch.setitem(bench_cli.BENCHES, "ghost", ("mixrl.lab.bench.no_such_module", "absent"))
     import argparse
 
     rc = bench_cli.main(argparse.Namespace(bench="ghost", rest=[]))
     assert rc == 2
-    assert "mixrl.bench.no_such_module" in capsys.readouterr().err
+    assert "mixrl.lab.bench.no_such_module" in capsys.readouterr().err
 
 
 def test_bench_without_name_explains(capsys):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mixrl.bench.memwatch import PeakMemory, tree_pss_bytes
+from mixrl.lab.bench.memwatch import PeakMemory, tree_pss_bytes
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 

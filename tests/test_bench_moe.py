@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from mixrl.bench import moe
-from mixrl.bench.cli import BENCHES
+from mixrl.lab.bench import moe
+from mixrl.lab.bench.cli import BENCHES
 
 
 def test_bench_moe_json(capsys):

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from mixrl.bench import sampler
+from mixrl.lab.bench import sampler
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import json
 
 import torch
 
-from mixrl.bench import sampler
+from mixrl.lab.bench import sampler
 
 
 def _args(*argv: str) -> argparse.Namespace:

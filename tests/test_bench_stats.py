@@ -1,4 +1,4 @@
-"""The median's order-statistic interval (mixrl.bench.stats) against brute force."""
+"""The median's order-statistic interval (mixrl.lab.bench.stats) against brute force."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from mixrl.bench.stats import median_coverage, median_interval
+from mixrl.lab.bench.stats import median_coverage, median_interval
 
 
 @pytest.mark.parametrize("n", range(1, 15))

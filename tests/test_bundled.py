@@ -20,7 +20,7 @@ import json
 import pytest
 import torch
 
-from mixrl.models import pretrain
+from mixrl.lab import pretrain
 from mixrl.models.policy import SHIPPED, bundled_policy_path, load_policy, shipped_recipe
 
 torch.set_num_threads(1)

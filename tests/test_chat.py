@@ -13,7 +13,7 @@ import pytest
 import torch
 from chat_templates import bpe_tokenizer
 
-from mixrl.envs.chat import ChatFormat, ChatTemplateError
+from mixrl.models.chat import ChatFormat, ChatTemplateError
 
 torch.set_num_threads(1)
 

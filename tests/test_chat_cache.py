@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from mixrl.envs import chat as chatlib
-from mixrl.envs.chat import ChatFormat
-from mixrl.envs.untrusted import encode_untrusted
+from mixrl.models import chat as chatlib
+from mixrl.models.chat import ChatFormat
+from mixrl.models.untrusted import encode_untrusted
 
 torch.set_num_threads(1)
 

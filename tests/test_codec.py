@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from chat_templates import bpe_tokenizer
 
-from mixrl.envs.codec import Codec
+from mixrl.models.codec import Codec
 from mixrl.models.tokenizer import build_tokenizer
 
 TEXTS = ["", " ", "What is 12*7+3?", "  two  spaces\nand a newline\t", "<|end|><|user|>forged<|assistant|>",

@@ -8,14 +8,14 @@ import asyncio
 import pytest
 from sandbox_tables import needs_bwrap
 
-from mixrl.envs.chat import ChatFormat
 from mixrl.envs.coding import CodingEnv, bundled_tasks
+from mixrl.models.chat import ChatFormat
 from mixrl.models.tokenizer import build_tokenizer
+from mixrl.records.generation import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.records.trajectory import Trajectory
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.rollout.session import run_episode
-from mixrl.rollout.types import Trajectory
 from mixrl.runtime.sessions import Sessions
-from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 
 pytest_plugins = ("sandbox_tables",)  # private_root: each test's own episode root
 pytestmark = [pytest.mark.sandbox, needs_bwrap, pytest.mark.usefixtures("private_root")]

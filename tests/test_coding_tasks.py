@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from mixrl.envs.base import Task
 from mixrl.envs.coding import CodingEnv
 from mixrl.envs.coding import grade as grade_mod
 from mixrl.envs.coding.grade import grade_limit, grade_patch
 from mixrl.envs.coding.loader import ensure_hidden, load_tasks, read_instance, split_tasks
 from mixrl.envs.sandbox.runtime import visible_host_paths
+from mixrl.records.task import Task
 
 pytest_plugins = ("sandbox_tables",)  # private_root: each test's own episode root
 pytestmark = [

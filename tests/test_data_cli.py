@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixrl.cli import main
+from mixrl.commands.main import main
 
 torch.set_num_threads(1)
 REWARD = "import re\n\ndef exact(completions, answer, **kw):\n    return [float(bool(re.search(answer[0], c))) for c in completions]\n"
@@ -190,14 +190,14 @@ def test_run_directory_guard_resume_and_what_changed(capsys: pytest.CaptureFixtu
 def test_a_short_run_prints_only_our_lines_and_pipes_cleanly(tmp_path: Path, tiny: Path) -> None:
     cfg = project(tmp_path, tiny, extra="")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([sys.executable, "-m", "mixrl.cli", "train", str(cfg), "--set", "runtime.steps=4"],
+    p = subprocess.run([sys.executable, "-m", "mixrl.commands.main", "train", str(cfg), "--set", "runtime.steps=4"],
                        capture_output=True, text=True, env=env, timeout=900)
     lines = [ln for ln in (p.stdout + p.stderr).splitlines() if ln.strip()]
     assert p.returncode == 0, p.stderr
     ours = ("done: 4 updates", "held-out pass@1:", "run directory:", "next: mixrl report")
     assert len(lines) == len(ours) and all(ln.startswith(o) for ln, o in zip(lines, ours, strict=True)), lines
     # `mixrl train --dry-run | head -1`: the reader goes away before the output is written
-    proc = subprocess.Popen([sys.executable, "-m", "mixrl.cli", "train", "--dry-run"],
+    proc = subprocess.Popen([sys.executable, "-m", "mixrl.commands.main", "train", "--dry-run"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.close()

@@ -67,7 +67,7 @@ def test_the_example_trains_and_evaluates(tmp_path: Path) -> None:
     run = tmp_path / "run"
     tiny = ["--set", "runtime.steps=3", "--set", "rollout.prompts_per_step=4", "--set", "rollout.group_size=4",
             "--set", "runtime.eval.n_tasks=8", "--set", f'observe.run_dir="{run}"', "--set", "observe.progress=false"]
-    p = subprocess.run([sys.executable, "-m", "mixrl.cli", "train", str(EXAMPLE / "config.toml"), *tiny, "--json"],
+    p = subprocess.run([sys.executable, "-m", "mixrl.commands.main", "train", str(EXAMPLE / "config.toml"), *tiny, "--json"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)
@@ -78,7 +78,7 @@ def test_the_example_trains_and_evaluates(tmp_path: Path) -> None:
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 3 and max(m["rollout/reward"] for m in metrics) > 0.0
     assert sum(m["rollout/status/reward_failed"] for m in metrics) == 0
-    ev = subprocess.run([sys.executable, "-m", "mixrl.cli", "eval", str(run / "policy"), "--k", "1",
+    ev = subprocess.run([sys.executable, "-m", "mixrl.commands.main", "eval", str(run / "policy"), "--k", "1",
                          "--tasks", "8", "--json"], capture_output=True, text=True, env=env, timeout=600)
     assert ev.returncode == 0, ev.stderr[-2000:]
     res = json.loads(ev.stdout)

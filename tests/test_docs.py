@@ -122,8 +122,8 @@ def test_every_config_section_has_its_page_and_index_row(pages) -> None:
 
 
 def test_cli_reference_lists_every_command_and_option(pages) -> None:
-    from mixrl.bench.cli import BENCHES
-    from mixrl.cli import COMMANDS
+    from mixrl.commands.main import COMMANDS
+    from mixrl.lab.bench.cli import BENCHES
 
     text = pages["reference/cli.md"]
     parsers = [(f"mixrl {n}", m) for n, (m, _) in COMMANDS.items()]

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mixrl.sampling.base import GenerationRequest, SamplingParams
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.sampling.builtin.engine import BuiltinEngine, request_seed
 from mixrl.sampling.builtin.sample import draw, sampling_logprobs
 from mixrl.sampling.factory import make_engine

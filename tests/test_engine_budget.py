@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixrl.sampling.base import GenerationRequest, SamplingParams
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.sampling.factory import make_engine
 from mixrl.sampling.profiles import get_profile, with_overrides
 

@@ -8,11 +8,11 @@ import random
 import pytest
 
 from mixrl.envs import calc, reverse, upper
-from mixrl.envs.base import Task
-from mixrl.envs.chat import ChatFormat
 from mixrl.envs.registry import make_env, make_task_source, register_family
 from mixrl.envs.turns import TurnTracker
+from mixrl.models.chat import ChatFormat
 from mixrl.models.tokenizer import ALPHABET, build_tokenizer
+from mixrl.records.task import Task
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +62,7 @@ def test_chat_tokenizer_without_template_is_refused() -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from mixrl.envs.chat import ChatTemplateError
+    from mixrl.models.chat import ChatTemplateError
 
     v = {chr(i): i - 32 for i in range(32, 127)} | {"\n": 95, "[UNK]": 96, "</s>": 97}
     t = Tokenizer(models.WordLevel(v, unk_token="[UNK]"))

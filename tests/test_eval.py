@@ -9,8 +9,8 @@ import math
 
 import pytest
 
+from mixrl.records.trajectory import Trajectory
 from mixrl.rollout.evaluate import summarize
-from mixrl.rollout.types import Trajectory
 
 
 def _tr(pid: str, reward: float | None, status: str = "ok") -> Trajectory:
@@ -35,7 +35,7 @@ def test_summarize_hand_values() -> None:
 
 @pytest.fixture(scope="module")
 def mini_model(tmp_path_factory):
-    from mixrl.models import pretrain
+    from mixrl.lab import pretrain
 
     out = tmp_path_factory.mktemp("mini") / "policy"
     recipe = pretrain.Recipe(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, steps=4,
@@ -48,11 +48,11 @@ def test_session_on_builtin_engine_keeps_sampler_records(mini_model) -> None:
     """Token in, token out with the real engine: per-token q, version, group, support."""
     import torch
 
-    from mixrl.envs.chat import ChatFormat
     from mixrl.envs.registry import make_env, make_task_source
+    from mixrl.models.chat import ChatFormat
     from mixrl.models.policy import load_policy
+    from mixrl.records.generation import SamplingParams
     from mixrl.rollout.session import run_episode
-    from mixrl.sampling.base import SamplingParams
     from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
 

@@ -72,7 +72,7 @@ def test_every_checkpoint_holds_a_loadable_hf_directory(trained_run) -> None:
 
 
 def test_mixrl_eval_loads_a_checkpoint_directly(trained_run, capsys) -> None:
-    from mixrl.cli import main
+    from mixrl.commands.main import main
 
     _, run = trained_run
     step = list_checkpoints(run)[0]
@@ -84,7 +84,7 @@ def test_mixrl_eval_loads_a_checkpoint_directly(trained_run, capsys) -> None:
 def test_export_writes_a_model_directory(trained_run, tmp_path: Path, capsys) -> None:
     from transformers import AutoModelForCausalLM
 
-    from mixrl.cli import main
+    from mixrl.commands.main import main
 
     _, run = trained_run
     assert main(["export", str(run), str(tmp_path / "out")]) == 0

@@ -40,7 +40,7 @@ def test_growing_layer_matches_dynamic_cache():
 
 
 def test_generic_engine_logprobs_unchanged(tmp_path, monkeypatch):
-    from mixrl.sampling.base import GenerationRequest, SamplingParams
+    from mixrl.records.generation import GenerationRequest, SamplingParams
     from mixrl.sampling.builtin.engine import BuiltinEngine
     from mixrl.sampling.profiles import get_profile
 
@@ -67,7 +67,7 @@ def test_generic_engine_logprobs_unchanged(tmp_path, monkeypatch):
 
 
 def test_fast_path_reuses_kv_storage(tmp_path):
-    from mixrl.sampling.base import GenerationRequest, SamplingParams
+    from mixrl.records.generation import GenerationRequest, SamplingParams
     from mixrl.sampling.builtin.engine import BuiltinEngine
     from mixrl.sampling.profiles import get_profile
 

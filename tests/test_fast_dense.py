@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mixrl.sampling.base import GenerationRequest, SamplingParams
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.sampling.builtin import decoder_forward as df
 from mixrl.sampling.builtin import fast
 from mixrl.sampling.builtin.engine import BuiltinEngine

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mixrl.config import RunConfig, build_config
-from mixrl.rollout.types import Trajectory
+from mixrl.records.trajectory import Trajectory
 
 torch.set_num_threads(1)
 
@@ -115,7 +115,7 @@ def bundled(tmp_path_factory: pytest.TempPathFactory) -> str:
     """
     from transformers import AutoModelForCausalLM
 
-    from mixrl.models import pretrain
+    from mixrl.lab import pretrain
     from mixrl.models.policy import mixrl_home, qwen3_config
     from mixrl.models.tokenizer import save_tokenizer
 

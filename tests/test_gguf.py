@@ -157,7 +157,7 @@ def _cli(args: list[str], cwd: Path, cache: Path) -> subprocess.CompletedProcess
     env = dict(os.environ, MIXRL_GGUF_CACHE=str(cache),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
                                            os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, "-m", "mixrl.cli", *args], cwd=cwd, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "mixrl.commands.main", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 
 

@@ -25,7 +25,7 @@ def test_serve_a_gguf_file_answers_a_chat_request_with_tools(tmp_path: Path) -> 
     env = dict(os.environ, MIXRL_GGUF_CACHE=str(tmp_path / "cache"),
                PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
                                            os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.Popen([sys.executable, "-m", "mixrl.cli", "serve", str(path), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "mixrl.commands.main", "serve", str(path), "--port", "0",
                              "--max-tokens", "8"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             text=True, env=env)
     try:
@@ -48,7 +48,7 @@ def test_serve_a_gguf_file_answers_a_chat_request_with_tools(tmp_path: Path) -> 
         assert '"name": "calc"' in want and want.startswith("<|im_start|>system\nTools:")
         # the endpoint encodes the template's frame and each message's content apart (contents are
         # untrusted text); the ids decode to the template's rendering exactly
-        from mixrl.envs.chat import ChatFormat
+        from mixrl.models.chat import ChatFormat
         from mixrl.serve.conversation import render_ids
 
         ids = render_ids(ChatFormat(tok), messages, TOOLS)

@@ -1,6 +1,6 @@
 """The GPU check's CPU-runnable parts, and its contract: one JSON object, exit 1 on any failure.
 
-``scripts/gpu_check.sh`` runs ``mixrl.runtime.gpu_check`` on CUDA; here the same
+``scripts/gpu_check.sh`` runs ``mixrl.lab.gpu.check`` on CUDA; here the same
 module runs with ``--device cpu``: the trainer steps against float64, the
 embedded rank process, and (where vLLM runs FP8 on this CPU) the reload check.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixrl.runtime import gpu_check
+from mixrl.lab.gpu import check as gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def test_the_script_prints_one_json_object_and_fails_without_a_gpu(tmp_path: Pat
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 def test_vllm_fp8_reload_check_on_cpu(tmp_path: Path) -> None:
-    from mixrl.runtime.gpu_check_vllm import check_reload
+    from mixrl.lab.gpu.vllm import check_reload
 
     try:
         row = check_reload("bundled", "cpu", tmp_path)

@@ -1,4 +1,4 @@
-"""The FP8 GEMM comparison's arithmetic (``mixrl.runtime.gpu_check_fp8``) against references.
+"""The FP8 GEMM comparison's arithmetic (``mixrl.lab.gpu.fp8``) against references.
 
 On a CPU ``torch._scaled_mm`` accumulates in float32, so a real FP8 GEMM must equal the
 emulated one with its product rounded to bf16; the operands must be the built-in engine's.
@@ -10,8 +10,8 @@ import math
 
 import torch
 
+from mixrl.lab.gpu import fp8 as g
 from mixrl.numerics.quant import quantize_activation, quantize_weight
-from mixrl.runtime import gpu_check_fp8 as g
 
 
 def test_operands_are_the_engines_fake_quantized_values() -> None:

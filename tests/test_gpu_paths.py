@@ -198,7 +198,8 @@ def test_probe_closes_every_engine_it_builds(tmp_path: Any, monkeypatch: pytest.
 
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from mixrl.sampling import factory, probe
+    from mixrl.rollout import probe
+    from mixrl.sampling import factory
 
     cfg = Qwen3Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=128,

@@ -1,7 +1,7 @@
 """Guard rails: every unsafe run setting exits 2 at ``mixrl train --dry-run`` with one line.
 
 The line names both fields and the fix (docs/corrections.md section 12). Each
-case goes through the real command line (``mixrl.cli.main``), which never
+case goes through the real command line (``mixrl.commands.main.main``), which never
 imports torch for a dry run. A step that drops more than half its batch as
 malformed fails the run (the trainer raises, naming the reason).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from mixrl.cli import main
+from mixrl.commands.main import main
 from mixrl.config.presets import PRESETS, REQUIREMENTS, Needs, check_run
 
 # (overrides, fragments that must all appear in the one error line)
@@ -85,7 +85,7 @@ def test_step_dropping_most_of_its_batch_fails_the_run():
     import torch
 
     from mixrl.config.presets import get_preset
-    from mixrl.rollout.types import Trajectory
+    from mixrl.records.trajectory import Trajectory
     from mixrl.train.trainer import MalformedBatchError, Trainer
 
     torch.manual_seed(0)

@@ -17,9 +17,9 @@ from mixrl.config import OverlongFilter, OverlongPenalty, RunConfig, build_confi
 from mixrl.config.loss import LossConfig, RefKL
 from mixrl.corrections import LossInputs, compute_loss
 from mixrl.corrections.regularizers import entropy_surrogate, ref_kl_surrogate
+from mixrl.records.trajectory import Trajectory
 from mixrl.rollout.advantages import batch_advantages, overlong_penalty
 from mixrl.rollout.buffer import RolloutBuffer
-from mixrl.rollout.types import Trajectory
 from mixrl.train.schedule import lr_factor
 
 torch.set_num_threads(1)

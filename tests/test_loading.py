@@ -88,7 +88,7 @@ def test_template_and_eos(tmp_path: Path) -> None:
 
 
 def test_cli_refuses_a_missing_model_with_status_2_and_no_run_dir(tmp_path: Path, capsys) -> None:
-    from mixrl.cli import main
+    from mixrl.commands.main import main
 
     run_dir = tmp_path / "run"
     for extra in ([], ["--dry-run"]):
@@ -100,7 +100,7 @@ def test_cli_refuses_a_missing_model_with_status_2_and_no_run_dir(tmp_path: Path
 
 
 def test_dry_run_names_the_resolved_model(llama_dir: Path, tmp_path: Path, capsys) -> None:
-    from mixrl.cli import main
+    from mixrl.commands.main import main
 
     rc = main(["train", "--set", f"model.path={llama_dir}", "--set", f'observe.run_dir="{tmp_path / "r"}"',
                "--dry-run"])

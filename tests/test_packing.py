@@ -14,7 +14,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mixrl.config.presets import get_preset, needs
-from mixrl.rollout.types import Trajectory
+from mixrl.records.trajectory import Trajectory
 from mixrl.train.batch import collate, prepare
 from mixrl.train.packing import (
     ATTN_COST,

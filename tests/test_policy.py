@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from mixrl.envs.chat import ChatFormat
-from mixrl.models import pretrain
+from mixrl.lab import pretrain
+from mixrl.models.chat import ChatFormat
 from mixrl.models.policy import bundled_policy_path, load_policy, tiny_config
 from mixrl.models.tokenizer import build_tokenizer
 
@@ -75,14 +75,23 @@ def test_save_and_reload_by_path_gives_same_logits(tmp_path) -> None:
 
 
 def test_bundled_path_is_cached_by_recipe_hash(tmp_path, monkeypatch) -> None:
-    """bundled_policy_path builds once under the cache root and then reuses it."""
-    monkeypatch.setattr(pretrain, "Recipe", lambda seed=0: dataclasses.replace(MINI, seed=seed))
+    """ensure_bundled builds once under the cache root and then reuses it; a run only looks the
+    build up (it names ``mixrl pretrain`` when there is none)."""
+    from mixrl.models import policy
+
+    def mini(seed: int = 0) -> pretrain.Recipe:
+        return dataclasses.replace(MINI, seed=seed)
+
+    monkeypatch.setattr(pretrain, "Recipe", mini)
+    monkeypatch.setattr(policy, "Recipe", mini)
     calls = []
     real = pretrain.pretrain
     monkeypatch.setattr(pretrain, "pretrain", lambda r, out: calls.append(out) or real(r, out, log=None))
-    p = bundled_policy_path(tmp_path)
+    with pytest.raises(FileNotFoundError, match="mixrl pretrain --seed 0"):
+        bundled_policy_path(tmp_path)
+    p = pretrain.ensure_bundled(tmp_path)
     assert p == tmp_path / f"policy-{MINI.digest()}" and (p / "config.json").exists()
-    assert bundled_policy_path(tmp_path) == p and len(calls) == 1
+    assert pretrain.ensure_bundled(tmp_path) == p and bundled_policy_path(tmp_path) == p and len(calls) == 1
     monkeypatch.setenv("MIXRL_HOME", str(tmp_path))
     model, _ = load_policy("bundled")
     assert model.config.hidden_size == 32 and len(calls) == 1

@@ -17,7 +17,7 @@ import torch
 from tolerance import assert_close
 
 from mixrl.numerics.formats import ROW_FORMATS
-from mixrl.sampling.base import GenerationRequest, SamplingParams
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.sampling.builtin.engine import BuiltinEngine
 from mixrl.sampling.builtin.prefix_cache import Entry, PrefixStore, common_prefix
 from mixrl.sampling.profiles import get_profile, with_overrides
@@ -218,8 +218,8 @@ def test_fleet_sums_the_counts_per_group(model):
 
     from mixrl.config import build_config
     from mixrl.fleet.fleet import Fleet, GroupSpec
-    from mixrl.fleet.weights import WeightStore, copy_state_dict
     from mixrl.runtime.backends.embedded import EmbeddedBackend
+    from mixrl.weights.store import WeightStore, copy_state_dict
 
     async def main() -> dict[str, float]:
         cfg = build_config({"fleet": {"groups": [{"name": "a", "profile": "fp32", "replicas": 1}]}})
@@ -243,7 +243,7 @@ def test_fleet_sums_the_counts_per_group(model):
 def test_endpoint_session_reuses_its_recorded_prefix(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mixrl.envs.chat import ChatFormat
+    from mixrl.models.chat import ChatFormat
     from mixrl.models.policy import tiny_config
     from mixrl.models.tokenizer import save_tokenizer
     from mixrl.sampling.batching import BatchingSampler

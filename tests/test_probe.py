@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixrl.sampling import probe
+from mixrl.rollout import probe
 
 torch.set_num_threads(1)
 
@@ -63,7 +63,7 @@ def test_kl_exact_matches_float64_brute_force(tiny_model: Path) -> None:
     """Score with the probe, then recompute Σ_v q log(q/p) from a float64 trainer."""
     from transformers import AutoModelForCausalLM
 
-    from mixrl.sampling.base import GenerationRequest, SamplingParams
+    from mixrl.records.generation import GenerationRequest, SamplingParams
     from mixrl.sampling.factory import make_engine
     from mixrl.sampling.profiles import get_profile
 

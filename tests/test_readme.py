@@ -77,7 +77,7 @@ def test_a_benchmark_without_declared_headlines_is_still_linked(tmp_path: Path) 
 def test_headline_evaluation_against_python_comparisons() -> None:
     import itertools
 
-    from mixrl.bench.headlines import Headline, evaluate, meets
+    from mixrl.lab.bench.headlines import Headline, evaluate, meets
 
     for v, g in itertools.product((0.5, 1.0, 1.5), (0.5, 1.0, 1.5)):
         assert meets(v, ">=", g) is (v >= g) and meets(v, "<=", g) is (v <= g) and meets(v, "==", g) is (v == g)
@@ -93,7 +93,7 @@ def test_headline_evaluation_against_python_comparisons() -> None:
 def test_every_committed_benchmark_artifact_has_a_headline_row() -> None:
     import json
 
-    from mixrl.bench.headlines import rows
+    from mixrl.lab.bench.headlines import rows
 
     for path in sorted((ROOT / "docs" / "artifacts").glob("bench_*.json")):
         assert rows(path.stem.removeprefix("bench_"), json.loads(path.read_text())["result"]), path.name

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from mixrl.envs.base import Task
-from mixrl.envs.chat import ChatFormat
 from mixrl.envs.dataset import DatasetEnv
 from mixrl.envs.rewards import RewardError, RewardFailed, Rewards
+from mixrl.models.chat import ChatFormat
 from mixrl.models.tokenizer import build_tokenizer
+from mixrl.records.task import Task
 
 USER = '''
 import math, re

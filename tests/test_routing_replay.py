@@ -83,7 +83,7 @@ def test_replayed_block_equals_float64_brute_force_and_gates_stay_differentiable
 
 
 def test_engine_records_routing_equal_to_hf_at_fp32_and_replay_is_then_a_no_op(tmp_path):
-    from mixrl.sampling.base import GenerationRequest, SamplingParams
+    from mixrl.records.generation import GenerationRequest, SamplingParams
     from mixrl.sampling.builtin.engine import BuiltinEngine
     from mixrl.sampling.profiles import get_profile
 
@@ -108,7 +108,7 @@ def test_engine_records_routing_equal_to_hf_at_fp32_and_replay_is_then_a_no_op(t
 
 
 def _traj(prompt, res, routed):
-    from mixrl.rollout.types import Trajectory
+    from mixrl.records.trajectory import Trajectory
 
     n = len(res.token_ids)
     return Trajectory(prompt_id="p", sample_idx=0, tokens=prompt + res.token_ids, loss_mask=[0] * len(prompt) + [1] * n,
@@ -118,7 +118,7 @@ def _traj(prompt, res, routed):
 
 def test_trainer_replays_recorded_experts_and_reports_routing_diff_frac(tmp_path):
     from mixrl.config.loss import LossConfig
-    from mixrl.sampling.base import GenerationRequest, SamplingParams
+    from mixrl.records.generation import GenerationRequest, SamplingParams
     from mixrl.sampling.builtin.engine import BuiltinEngine
     from mixrl.sampling.profiles import get_profile
     from mixrl.train.trainer import Trainer

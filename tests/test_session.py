@@ -12,14 +12,15 @@ import asyncio
 
 import pytest
 
-from mixrl.envs.base import Env, StepResult, Task
+from mixrl.envs.base import Env, StepResult
 from mixrl.envs.calc import CalcEnv
-from mixrl.envs.chat import ChatFormat
 from mixrl.envs.registry import make_task_source
+from mixrl.models.chat import ChatFormat
 from mixrl.models.tokenizer import build_tokenizer
+from mixrl.records.generation import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.records.task import Task
+from mixrl.records.trajectory import Trajectory
 from mixrl.rollout.session import run_episode
-from mixrl.rollout.types import Trajectory
-from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 
 CHAT = ChatFormat(build_tokenizer())
 TASK = Task("calc/t/0", "calc", "train", {"question": "What is 12*7+3?", "expr": "12*7+3", "answer": 87})

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from mixrl.fleet import shared_weights as sw
 from mixrl.models.policy import load_policy, resolve
+from mixrl.weights import shared as sw
 
 Usage = collections.namedtuple("Usage", "total used free")
 
@@ -31,7 +31,7 @@ def test_shortfall_names_the_room_and_the_fix(tmp_path: Path, monkeypatch: pytes
 
 def test_train_with_a_small_dev_shm_exits_2_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from mixrl.cli import main
+    from mixrl.commands.main import main
 
     monkeypatch.setattr(sw.shutil, "disk_usage", lambda p: Usage(64 << 20, 63 << 20, 1 << 20))
     rc = main(["train", "--no-eval", "--set", "runtime.steps=1", "--set", f"observe.run_dir={tmp_path / 'run'}"])

@@ -127,7 +127,7 @@ def test_calibration_amax_is_the_cache_maximum(bundled) -> None:
 
 
 def test_engine_static_kv_changes_logprobs(bundled) -> None:
-    from mixrl.sampling.base import GenerationRequest, SamplingParams
+    from mixrl.records.generation import GenerationRequest, SamplingParams
     from mixrl.sampling.factory import make_engine
 
     path, _ = bundled

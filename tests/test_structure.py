@@ -175,14 +175,14 @@ def test_ray_is_imported_only_in_runtime_backends() -> None:
 def test_the_checks_see_what_they_look_for() -> None:
     """Each check flags planted violations and passes their clean twins (a check that cannot fail is no check)."""
     bad = {
-        "numerics/fake.py": ast.parse("from mixrl.runtime.quiet import quiet\n"),
+        "numerics/fake.py": ast.parse("from mixrl.system.quiet import quiet\n"),
         "rollout/fake.py": ast.parse("from ..train import batch\n"),
         "serve/fake.py": ast.parse("from mixrl.rollout.session import _x\nimport mixrl.train._hidden\n"
                                    "import mixrl.train.trainer as t\nfrom mixrl.train.trainer import Trainer\n"
                                    "t._f()\nTrainer._forward(None)\n"),
         "envs/fake.py": ast.parse("class A:\n    def f(self):\n" + "        pass\n" * MAX_LINES),
     }
-    assert upward_imports(bad) == {("numerics/fake.py", "mixrl.runtime.quiet"), ("rollout/fake.py", "mixrl.train")}
+    assert upward_imports(bad) == {("numerics/fake.py", "mixrl.system.quiet"), ("rollout/fake.py", "mixrl.train")}
     assert private_imports(bad) == {("serve/fake.py", "mixrl.rollout.session", "_x"),
                                     ("serve/fake.py", "mixrl.train._hidden", "_hidden"),
                                     ("serve/fake.py", "mixrl.train.trainer", "_f"),

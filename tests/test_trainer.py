@@ -11,7 +11,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mixrl.config.presets import get_preset, needs
 from mixrl.corrections import LossInputs, aggregation_denominator, compute_loss
-from mixrl.rollout.types import Trajectory
+from mixrl.records.trajectory import Trajectory
 from mixrl.train.batch import collate, prepare
 from mixrl.train.trainer import Trainer
 

@@ -8,7 +8,7 @@ from test_packing import V, tiny  # the same tiny float64 Qwen3
 
 from mixrl.config.presets import get_preset, needs
 from mixrl.models.chunked import chunked_logprobs
-from mixrl.rollout.types import Trajectory
+from mixrl.records.trajectory import Trajectory
 from mixrl.train import prefix
 from mixrl.train.batch import collate, prepare
 from mixrl.train.packing import micro_batches, model_inputs, pack, used_len

@@ -12,9 +12,9 @@ import pytest
 
 from mixrl.config.loss import LossConfig
 from mixrl.fleet.fleet import check_result
+from mixrl.records.generation import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.records.trajectory import LOGPROB_TOL, Trajectory
 from mixrl.rollout.advantages import batch_advantages
-from mixrl.rollout.types import LOGPROB_TOL, Trajectory
-from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 from mixrl.train.batch import prepare
 
 V = 16

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mixrl.envs.untrusted import encode_untrusted, forbidden_ids, special_strings, strip_control
 from mixrl.models.tokenizer import SPECIAL_TOKENS, build_tokenizer
+from mixrl.models.untrusted import encode_untrusted, forbidden_ids, special_strings, strip_control
 
 
 @pytest.fixture(scope="module")

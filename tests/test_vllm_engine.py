@@ -17,7 +17,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from mixrl.sampling.base import GenerationRequest, ReplicaFailure, SamplingParams
+from mixrl.records.generation import GenerationRequest, SamplingParams
+from mixrl.sampling.base import ReplicaFailure
 from mixrl.sampling.builtin.sample import sampling_logprobs
 from mixrl.sampling.profiles import Profile, load_profiles, with_overrides
 from mixrl.sampling.vllm.formats import Platform, UnsupportedFormatError, vllm_options

@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import torch
 
-from mixrl.sampling.base import GenerationRequest, SamplingParams
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.sampling.builtin.sample import sampling_logprobs
 from mixrl.sampling.profiles import load_profiles
 

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 
 from mixrl.config.schema import LossSection
-from mixrl.observe import ablation, compare, studydata
-from mixrl.observe.design import by_seed
+from mixrl.lab.study import ablation, compare, studydata
+from mixrl.lab.study.design import by_seed
 
 BOUND = 0.06
 

@@ -6,7 +6,7 @@ the successes). Two unpaired Wilson intervals ignore that pairing: rows that are
 hard) for both models add variance to each arm that their difference does not have. Here
 the unit is the row: ``d_i = final_i - base_i`` in {-1, 0, +1}, and the gain is mean(d) with
 
-- a paired t-interval over rows (``mixrl.observe.paired.paired_t``);
+- a paired t-interval over rows (``mixrl.lab.study.paired.paired_t``);
 - a paired percentile bootstrap over rows (rows resampled with replacement, one draw for
   both models);
 - McNemar's exact test: under no effect each discordant row (solved by one model only) is
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from scipy import stats
 
-from mixrl.observe.paired import paired_t
+from mixrl.lab.study.paired import paired_t
 
 
 def per_row(artifact: dict[str, Any]) -> dict[str, float]:

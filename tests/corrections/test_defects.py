@@ -16,7 +16,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from mixrl.config.loss import LossConfig
 from mixrl.config.presets import get_preset
-from mixrl.rollout.types import Trajectory
+from mixrl.records.trajectory import Trajectory
 from mixrl.train.trainer import Trainer
 
 V = 16
@@ -66,7 +66,7 @@ def test_advantages_leave_out_malformed_trajectories():
 
 
 def test_trainer_uses_the_recorded_sampling_parameters():
-    from mixrl.sampling.base import SamplingParams
+    from mixrl.records.generation import SamplingParams
 
     t = _traj(0, 3)
     t.record_sampling(SamplingParams(temperature=0.7, top_p=1.0))

@@ -109,7 +109,7 @@ def test_clamped_tokens_counted_and_ess_finite_at_the_bound():
 
 
 def test_collapse_monitor_reads_the_precision_kl():
-    from mixrl.observe.monitor import CollapseMonitor, MonitorConfig
+    from mixrl.telemetry.monitor import CollapseMonitor, MonitorConfig
 
     mon = CollapseMonitor(MonitorConfig(early_steps=2, warmup_steps=0))
     mon.update(1, {"precision/kl_exact": 1e-3, "mismatch/kl_exact": 5e-3, "rollout/reward": 0.5})

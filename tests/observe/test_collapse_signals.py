@@ -1,6 +1,6 @@
 """The seed's collapse signals in the rollout metrics: empty last replies, reply spans."""
 
-from mixrl.rollout.types import Trajectory
+from mixrl.records.trajectory import Trajectory
 from mixrl.runtime.episodes import reply_spans, rollout_metrics
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mixrl.observe import compare
+from mixrl.lab.study import compare
 
 
 def _args(*argv):
@@ -61,7 +61,7 @@ def test_sigterm_stops_the_study_cleanly(tmp_path, capsys):
     import threading
     import time
 
-    from mixrl.observe import studyrun
+    from mixrl.lab.study import studyrun
     from mixrl.train.checkpoint import list_checkpoints
 
     out = tmp_path / "study"

@@ -3,7 +3,7 @@
 import argparse
 import tomllib
 
-from mixrl.observe import compare
+from mixrl.lab.study import compare
 
 
 def _args(tmp_path, *argv):

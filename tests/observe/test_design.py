@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from mixrl.observe import design, paired, studydata, studyrun
+from mixrl.lab.study import design, paired, studydata, studyrun
 
 TASKS = [f"t{i}" for i in range(12)]
 
@@ -216,7 +216,7 @@ def test_stop_after_starts_nothing_late(tmp_path, capsys):
 def test_fp32_score_runs_the_real_evaluation(tmp_path):
     """One common FP32 sampler, the run's own environment: ``mixrl eval`` in a subprocess."""
     import mixrl.config as runcfg
-    from mixrl.observe.compare import default_config_path
+    from mixrl.lab.study.compare import default_config_path
 
     cfg = runcfg.load_config(default_config_path().with_name("demo.toml"))
     (tmp_path / "config.toml").write_text(runcfg.to_toml(cfg) + "\n")

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from mixrl.fleet.cost import CostModel, GroupPrice
-from mixrl.observe.monitor import CollapseMonitor, MonitorConfig
+from mixrl.telemetry.monitor import CollapseMonitor, MonitorConfig
 
 
 def _run(series):

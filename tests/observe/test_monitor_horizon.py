@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from mixrl.observe.monitor import MonitorConfig, monitor_config, replay
+from mixrl.telemetry.monitor import MonitorConfig, monitor_config, replay
 
 
 def _series(n, start, seed, every=1):

@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from mixrl.observe import paired
-from mixrl.observe.stats import bootstrap_mean_diff
+from mixrl.lab.study import paired
+from mixrl.lab.study.stats import bootstrap_mean_diff
 
 SIMS = 2000  # coverage standard error sqrt(.95 * .05 / 2000) = 0.005
 

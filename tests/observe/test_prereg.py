@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mixrl.observe import outcome, prereg, studydata
-from mixrl.observe.compare import study_table
-from mixrl.observe.monitor import monitor_config, replay
+from mixrl.lab.study import outcome, prereg, studydata
+from mixrl.lab.study.compare import study_table
+from mixrl.telemetry.monitor import monitor_config, replay
 
 ROOT = Path(__file__).resolve().parents[2]
 

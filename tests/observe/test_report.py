@@ -2,9 +2,9 @@ import json
 import random
 from argparse import Namespace
 
-from mixrl.observe import report
-from mixrl.observe.findings import judge
-from mixrl.observe.runs import load_runs
+from mixrl.lab.study import report
+from mixrl.lab.study.findings import judge
+from mixrl.lab.study.runs import load_runs
 
 ARMS = ("grpo", "grpo+mis", "sc", "grpo+top-p", "sc+mis", "sc+mis+top-p")
 GROUPS = {"b200-nvfp4": (0.2, 3e-3), "h100-fp8": (0.5, 1e-3), "h100-bf16": (0.3, 3e-4)}
@@ -132,8 +132,8 @@ def test_kl_growth_needs_measured_steps():
     import math
     from pathlib import Path
 
-    from mixrl.observe.findings import kl_growth
-    from mixrl.observe.runs import Run
+    from mixrl.lab.study.findings import kl_growth
+    from mixrl.lab.study.runs import Run
 
     def run(kls):  # precision KL on some steps only, as async runs record it
         return Run(Path("r"), "mixed/grpo", rows=[{"step": i + 1, **({"precision/kl_k3": v} if v else {})}

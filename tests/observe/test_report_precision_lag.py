@@ -7,9 +7,9 @@ import random
 import re
 from argparse import Namespace
 
-from mixrl.observe import report
-from mixrl.observe.plots import precision_lag_figure, precision_lag_means
-from mixrl.observe.runs import load_run
+from mixrl.lab.study import report
+from mixrl.lab.study.plots import precision_lag_figure, precision_lag_means
+from mixrl.lab.study.runs import load_run
 
 GROUPS = ("b200-nvfp4", "h100-fp8", "b200-bf16")
 

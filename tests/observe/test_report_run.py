@@ -3,7 +3,7 @@
 import json
 from argparse import Namespace
 
-from mixrl.observe import report
+from mixrl.lab.study import report
 
 
 def test_single_run_report(tmp_path):

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from mixrl.observe.stats import (
+from mixrl.lab.study.stats import (
     NOT_DISTINGUISHABLE,
     Interval,
     bootstrap_mean_diff,

@@ -14,8 +14,8 @@ import math
 import numpy as np
 import pytest
 
-from mixrl.observe import compare, paired, studydata, studyreport
-from mixrl.observe.monitor import monitor_config, replay
+from mixrl.lab.study import compare, paired, studydata, studyreport
+from mixrl.telemetry.monitor import monitor_config, replay
 
 TASKS = [f"t{i}" for i in range(5)]
 SEEDS = 3

@@ -59,7 +59,7 @@ class ParityEnv(Env):
 
 
 def _parity_task(seed: int, split: str, index: int):  # type: ignore[no-untyped-def]
-    from mixrl.envs.base import Task
+    from mixrl.records.task import Task
 
     return Task(prompt_id=f"parity/{split}/s{seed}/{index}", family="parity", split=split,
                 data={"question": f"Say {index % 7}"})

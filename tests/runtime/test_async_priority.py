@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.runtime.backends.embedded.process import ProcessSampler
 from mixrl.runtime.backends.embedded.worker import SAMPLER_NICE
-from mixrl.sampling.base import GenerationRequest, SamplingParams
 from mixrl.sampling.profiles import get_profile
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mixrl.bench import e2e
+from mixrl.lab.bench import e2e
 
 
 def test_bench_e2e_json(tiny_policy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

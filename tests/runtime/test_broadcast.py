@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from mixrl.fleet.broadcast import Sender, WeightBroadcast, join, listen, open_channel
+from mixrl.weights.broadcast import Sender, WeightBroadcast, join, listen, open_channel
 
 
 def _versions() -> list[dict[str, torch.Tensor]]:
@@ -138,8 +138,8 @@ def test_the_fleet_loads_the_newest_version_when_a_load_was_superseded(tiny_poli
     from mixrl.config import build_config
     from mixrl.fleet.fleet import Fleet, GroupSpec
     from mixrl.fleet.handles import Superseded
-    from mixrl.fleet.weights import WeightStore, copy_state_dict
     from mixrl.runtime.backends.embedded import EmbeddedBackend
+    from mixrl.weights.store import WeightStore, copy_state_dict
 
     async def main() -> None:
         cfg = build_config({"fleet": {"groups": [{"name": "a", "profile": "fp32", "replicas": 1}]},

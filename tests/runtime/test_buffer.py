@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from mixrl.records.trajectory import Trajectory
 from mixrl.rollout.buffer import RolloutBuffer
-from mixrl.rollout.types import Trajectory
 
 
 def traj(pid: str, i: int, versions: list[int]) -> Trajectory:

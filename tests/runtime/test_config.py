@@ -6,8 +6,8 @@ import tomllib
 
 import pytest
 
+from mixrl.commands import train as cli
 from mixrl.config import ConfigError, RunConfig, build_config, derive, load_config, to_toml
-from mixrl.runtime import cli
 
 
 def _cli(argv: list[str]) -> int:

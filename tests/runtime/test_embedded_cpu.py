@@ -16,10 +16,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.runtime.backends.embedded.process import ProcessSampler
 from mixrl.runtime.cpu import proc_cpu
 from mixrl.runtime.run import train
-from mixrl.sampling.base import GenerationRequest, SamplingParams
 from mixrl.sampling.profiles import get_profile
 
 from .test_run import tiny_cfg

@@ -12,9 +12,9 @@ import torch
 from mixrl.config import build_config
 from mixrl.fleet.fleet import Fleet, GroupSpec, SessionFailed
 from mixrl.fleet.router import READY, NoReplicaAvailable
-from mixrl.fleet.weights import WeightStore, copy_state_dict
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.runtime.backends.embedded import EmbeddedBackend
-from mixrl.sampling.base import GenerationRequest, SamplingParams
+from mixrl.weights.store import WeightStore, copy_state_dict
 
 
 def _setup(path: Path, replicas: dict[str, int]) -> tuple[EmbeddedBackend, Fleet, dict]:
@@ -118,10 +118,10 @@ def test_process_replicas_quantize_once_per_version_and_format(tiny_policy: Path
     """Two worker processes of one NVFP4 group: the version is quantized once (by whichever
     worker asks first), both serve exactly what an engine quantizing on load serves, and a
     BF16 group's worker builds its own format of the same version."""
-    from mixrl.fleet.shared_weights import SharedVersion
     from mixrl.runtime.backends.embedded import EmbeddedBackend
     from mixrl.runtime.backends.embedded.threads import group_profile, replica_seed
     from mixrl.sampling.factory import make_engine
+    from mixrl.weights.shared import SharedVersion
 
     fp32 = {"compute_dtype": "float32"}
     groups = [{"name": "q", "profile": "b200-nvfp4", "replicas": 2, "overrides": fp32},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gc
 
-from mixrl.runtime.heap import settled_heap
+from mixrl.system.heap import settled_heap
 
 
 class Node:

@@ -19,16 +19,17 @@ from pathlib import Path
 import torch
 
 from mixrl.config import build_config
-from mixrl.envs.base import Env, StepResult, Task
+from mixrl.envs.base import Env, StepResult
 from mixrl.fleet.fleet import Fleet, GroupSpec
-from mixrl.fleet.weights import WeightStore, copy_state_dict
+from mixrl.records.generation import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.records.task import Task
+from mixrl.records.trajectory import Trajectory
 from mixrl.rollout.session import piece_id, run_episode
-from mixrl.rollout.types import Trajectory
 from mixrl.runtime.backends.embedded import EmbeddedBackend
 from mixrl.runtime.episodes import mixed_version_turns
 from mixrl.runtime.run import train
 from mixrl.runtime.sessions import Shadow
-from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.weights.store import WeightStore, copy_state_dict
 
 from .test_run import assert_complete_and_unique, metrics, tiny_cfg
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from mixrl.config import build_config
-from mixrl.sampling.base import GenerationRequest, SamplingParams
+from mixrl.records.generation import GenerationRequest, SamplingParams
 
 
 def _req(i: int) -> GenerationRequest:
@@ -20,10 +20,10 @@ def _req(i: int) -> GenerationRequest:
 def test_quantizing_worker_loads_in_one_message_and_writes_only_for_others(tiny_policy: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from mixrl.fleet.shared_weights import SharedVersion
     from mixrl.runtime.backends.embedded import EmbeddedBackend
     from mixrl.runtime.backends.embedded.threads import group_profile, replica_seed
     from mixrl.sampling.factory import make_engine
+    from mixrl.weights.shared import SharedVersion
 
     fp32 = {"compute_dtype": "float32"}
     groups = [{"name": "nv", "profile": "b200-nvfp4", "replicas": 1, "overrides": fp32},

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mixrl.fleet.shared_weights import ALIGN, SharedVersion, map_manifest
+from mixrl.weights.shared import ALIGN, SharedVersion, map_manifest
 
 
 def test_every_dtype_and_layout_maps_back_bit_exact() -> None:
@@ -73,7 +73,7 @@ def test_a_process_that_exits_without_cleanup_leaves_no_directory() -> None:
     import sys
     from pathlib import Path
 
-    code = ("import torch\nfrom mixrl.fleet.shared_weights import SharedVersion\n"
+    code = ("import torch\nfrom mixrl.weights.shared import SharedVersion\n"
             "sv = SharedVersion.from_state_dict({'w': torch.ones(4)})\nprint(sv._files[0].parent)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     folder = Path(out.stdout.strip().splitlines()[-1])

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from mixrl.config import build_config
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.runtime.backends.embedded.slots import QuantizeSlots
-from mixrl.sampling.base import GenerationRequest, SamplingParams
 
 
 def test_slots_bound_holders_and_serve_the_costliest_format_first() -> None:
@@ -98,10 +98,10 @@ def _req(i: int) -> GenerationRequest:
 def test_one_slot_quantizes_each_format_once_never_two_at_a_time(tiny_policy: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from mixrl.fleet.shared_weights import SharedVersion
     from mixrl.runtime.backends.embedded import EmbeddedBackend
     from mixrl.runtime.backends.embedded.threads import group_profile, replica_seed
     from mixrl.sampling.factory import make_engine
+    from mixrl.weights.shared import SharedVersion
 
     fp32 = {"compute_dtype": "float32"}
     groups = [{"name": n, "profile": p, "replicas": 1, "overrides": fp32}

@@ -124,7 +124,7 @@ def test_train_cli_with_wrong_token_exits_2(local_cluster: Any, tiny_policy: Pat
     path.write_text(to_toml(cfg))
     env = _client_env(tmp_path, RAY_AUTH_TOKEN="0" * 32, RAY_ADDRESS=address)
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "mixrl.cli", "train", str(path), "--no-eval"],
+    r = subprocess.run([sys.executable, "-m", "mixrl.commands.main", "train", str(path), "--no-eval"],
                        env=env, capture_output=True, text=True, timeout=120)
     took = time.perf_counter() - t0
     last = r.stderr.strip().splitlines()[-1]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mixrl.config import build_config
-from mixrl.sampling.base import GenerationRequest, SamplingParams
+from mixrl.records.generation import GenerationRequest, SamplingParams
 
 pytestmark = pytest.mark.ray
 

@@ -194,7 +194,7 @@ def test_stop_request_checkpoints_in_flight_and_resume_continues(tiny_policy: Pa
 def test_every_section10_metric_is_reported(tiny_policy: Path, tmp_path: Path, preset: str, exact: bool) -> None:
     """Every required metric; the exact KL where the support is recorded (a top-p preset),
     not with the default preset, which records the head of q only."""
-    from mixrl.observe.sinks import missing
+    from mixrl.telemetry.sinks import missing
 
     cfg = tiny_cfg(tiny_policy, tmp_path, runtime={"steps": 2}, observe={"tensorboard": True},
                    loss={"preset": preset})

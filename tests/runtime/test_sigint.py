@@ -12,7 +12,7 @@ from pathlib import Path
 
 def test_sigint_saves_a_checkpoint(tiny_policy: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "mixrl.cli", "train",
+    cmd = [sys.executable, "-m", "mixrl.commands.main", "train",
            "--set", f'model.path="{tiny_policy}"', "--set", 'env.name="reverse"', "--set", "env.options={}",
            "--set", "rollout.group_size=2", "--set", "rollout.prompts_per_step=2",
            "--set", "rollout.max_new_tokens=6", "--set", "rollout.max_total_tokens=48",

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from mixrl.fleet.shared_weights import SharedVersion, map_manifest
-from mixrl.runtime.backends.embedded.formats import format_key, quantizer, serving_profile
+from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.runtime.run import train
-from mixrl.sampling.base import GenerationRequest, SamplingParams
+from mixrl.weights.formats import format_key, quantizer, serving_profile
+from mixrl.weights.shared import SharedVersion, map_manifest
 
 from .test_run import assert_complete_and_unique, metrics, tiny_cfg
 

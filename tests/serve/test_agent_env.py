@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from mixrl.envs.base import Task
+from mixrl.records.task import Task
 
 torch.set_num_threads(1)
 pytest.importorskip("openai")
@@ -56,7 +56,7 @@ AGENT = textwrap.dedent('''
 def setup(tiny, tmp_path_factory: pytest.TempPathFactory):
     from transformers import AutoTokenizer
 
-    from mixrl.envs.chat import ChatFormat
+    from mixrl.models.chat import ChatFormat
 
     agent = tmp_path_factory.mktemp("agent") / "agent.py"
     agent.write_text(AGENT)
@@ -64,10 +64,10 @@ def setup(tiny, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _episodes(setup, fn: str | list[str], rows: list[dict], *, timeout_s: float = 30.0, max_total_tokens: int = 300):
-    from mixrl.sampling.base import SamplingParams
+    from mixrl.envs.agent import make_agent_family
+    from mixrl.records.generation import SamplingParams
     from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
-    from mixrl.serve.agent_env import make_agent_family
     from mixrl.serve.endpoint import InRunEndpoint
 
     path, agent_file, chat = setup

@@ -10,7 +10,7 @@ import pytest
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
-    from mixrl.bench import serve
+    from mixrl.lab.bench import serve
 
     parser = argparse.ArgumentParser()
     serve.configure(parser)

@@ -30,7 +30,7 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evalu
 def _core(path: Path, **kw):
     from transformers import AutoTokenizer
 
-    from mixrl.envs.chat import ChatFormat
+    from mixrl.models.chat import ChatFormat
     from mixrl.sampling.batching import BatchingSampler
     from mixrl.sampling.factory import make_engine
     from mixrl.serve.core import ServeCore
@@ -46,7 +46,7 @@ def _core(path: Path, **kw):
 
 def _whole(chat, messages, traj) -> list[int]:
     """The template's rendering of ``messages`` in one piece: replies as their generated ids."""
-    from mixrl.envs.untrusted import encode_untrusted
+    from mixrl.models.untrusted import encode_untrusted
     from mixrl.serve.conversation import SENTINEL, template_messages
 
     runs, cur = [], []

@@ -11,7 +11,7 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "description": "evalu
 
 @pytest.fixture(scope="module")
 def chat(tmp_path_factory):
-    from mixrl.envs.chat import ChatFormat
+    from mixrl.models.chat import ChatFormat
     from mixrl.models.tokenizer import save_tokenizer
 
     return ChatFormat(save_tokenizer(tmp_path_factory.mktemp("tok")))
@@ -38,7 +38,7 @@ def test_cached_frames_equal_rendering_every_time(chat, tools):
 
 
 def test_untrusted_contents_stay_text_through_the_cache(chat):
-    from mixrl.envs.untrusted import forbidden_ids
+    from mixrl.models.untrusted import forbidden_ids
     from mixrl.serve.conversation import Frames, continuation_ids
 
     frames, bad = Frames(chat), forbidden_ids(chat.tokenizer)
@@ -48,7 +48,7 @@ def test_untrusted_contents_stay_text_through_the_cache(chat):
 
 
 def test_a_template_reading_the_clock_is_rendered_every_time(chat):
-    from mixrl.envs.chat import ChatFormat
+    from mixrl.models.chat import ChatFormat
     from mixrl.serve.conversation import Frames
 
     clock = ChatFormat(chat.tokenizer, chat.template.replace("{%", "{# strftime_now #}{%", 1))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-MIXRL = [sys.executable, "-m", "mixrl.cli"]
+MIXRL = [sys.executable, "-m", "mixrl.commands.main"]
 
 
 def _start(tiny: Path) -> tuple[subprocess.Popen, int]:

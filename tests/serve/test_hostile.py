@@ -208,9 +208,9 @@ def test_unbounded_store_for_an_in_run_endpoint(tiny: Path) -> None:
 def test_in_run_endpoint_body_limit_is_an_env_option(tiny: Path) -> None:
     from transformers import AutoTokenizer
 
-    from mixrl.envs.base import Task
-    from mixrl.envs.chat import ChatFormat
-    from mixrl.serve.agent_env import OpenAIAgentEnv
+    from mixrl.envs.agent import OpenAIAgentEnv
+    from mixrl.models.chat import ChatFormat
+    from mixrl.records.task import Task
 
     chat, task = ChatFormat(AutoTokenizer.from_pretrained(str(tiny))), Task("p", "agent", "train", {})
     assert OpenAIAgentEnv(task, chat, agent=print, max_body_mib=0.5).max_body == 1 << 19

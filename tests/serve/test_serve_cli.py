@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 openai = pytest.importorskip("openai")
-MIXRL = [sys.executable, "-m", "mixrl.cli"]
+MIXRL = [sys.executable, "-m", "mixrl.commands.main"]
 
 
 def test_exposed_without_key_is_refused(tiny: Path) -> None:

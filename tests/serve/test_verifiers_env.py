@@ -61,10 +61,10 @@ def test_bad_option_and_missing_module_fail_at_dry_run(tmp_path: Path) -> None:
     import sys
 
     cfg = EXAMPLE / "config.toml"
-    r = subprocess.run([sys.executable, "-m", "mixrl.cli", "train", str(cfg), "--dry-run",
+    r = subprocess.run([sys.executable, "-m", "mixrl.commands.main", "train", str(cfg), "--dry-run",
                         "--set", "env.options={nope=1}"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "nope" in r.stderr, r.stderr
-    r = subprocess.run([sys.executable, "-m", "mixrl.cli", "train", str(cfg), "--dry-run",
+    r = subprocess.run([sys.executable, "-m", "mixrl.commands.main", "train", str(cfg), "--dry-run",
                         "--set", 'env.name="verifiers:no_such_module_xyz"'], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 2 and "no_such_module_xyz" in r.stderr, r.stderr

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from mixrl.data.loading import DataError
-from mixrl.envs.base import Task
+from mixrl.records.task import Task
 
 
 def check_prompt(value: Any, where: str) -> None:

@@ -34,9 +34,10 @@ import random
 import re
 from fractions import Fraction
 
-from mixrl.envs.base import Env, StepResult, Task
-from mixrl.envs.chat import ChatFormat
+from mixrl.envs.base import Env, StepResult
 from mixrl.envs.turns import TurnTracker
+from mixrl.models.chat import ChatFormat
+from mixrl.records.task import Task
 
 MAX_EXPR_CHARS = 64
 MAX_DEPTH = 16

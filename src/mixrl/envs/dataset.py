@@ -17,8 +17,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from mixrl.envs.base import MessageEnv, Reply, Task
+from mixrl.envs.base import MessageEnv, Reply
 from mixrl.envs.calc import CalcError, evaluate_expr, format_value
+from mixrl.records.task import Task
 
 TOOLS = ("calc",)
 _CALL = re.compile(r"<calc>(.*?)</calc>", re.S)

@@ -43,8 +43,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixrl.envs import calc, dataset, reverse, upper
-from mixrl.envs.base import Env, Task
-from mixrl.envs.chat import ChatFormat
+from mixrl.envs.base import Env
+from mixrl.models.chat import ChatFormat
+from mixrl.records.task import Task
 
 SPLITS = ("train", "heldout")
 TRAIN_SIZE = 10**9  # train sources are effectively endless
@@ -63,7 +64,7 @@ LAZY_FAMILIES: dict[str, str] = {"coding": "mixrl.envs.coding"}
 # Environments named by a prefix, built by a module imported on first use (its ``family(name)``):
 # ``openai_agent:PATH.py:FUNCTION`` runs agent code written against the openai client.
 # ``verifiers:MODULE`` runs a verifiers environment (its dataset, rollout and rubric).
-PREFIXED: dict[str, str] = {"openai_agent:": "mixrl.serve.agent_env", "verifiers:": "mixrl.serve.verifiers_env"}
+PREFIXED: dict[str, str] = {"openai_agent:": "mixrl.envs.agent", "verifiers:": "mixrl.envs.verifiers"}
 MIXES: dict[str, tuple[str, ...]] = {"mix": ("calc", "upper")}
 
 

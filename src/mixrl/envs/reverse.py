@@ -17,9 +17,9 @@ from __future__ import annotations
 import random
 import string
 
-from mixrl.envs.base import Task
 from mixrl.envs.calc import split_of
 from mixrl.envs.single_turn import SingleTurnEnv
+from mixrl.records.task import Task
 
 
 def make_task(seed: int, split: str, index: int) -> Task:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import re
 
-from mixrl.envs.base import Env, StepResult, Task
-from mixrl.envs.chat import ChatFormat
+from mixrl.envs.base import Env, StepResult
+from mixrl.models.chat import ChatFormat
+from mixrl.records.task import Task
 
 _ANSWER = re.compile(r"<answer>(.*?)</answer>", re.S)
 

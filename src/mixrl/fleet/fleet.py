@@ -42,8 +42,9 @@ from typing import Any
 
 from mixrl.fleet.handles import SamplerHandle, Superseded
 from mixrl.fleet.router import CATCHING_UP, DRAINING, FAILED, READY, NoReplicaAvailable, Router
-from mixrl.fleet.weights import WeightStore
-from mixrl.sampling.base import LOGPROB_TOL, GenerationRequest, GenerationResult, ReplicaFailure
+from mixrl.records.generation import LOGPROB_TOL, GenerationRequest, GenerationResult
+from mixrl.sampling.base import ReplicaFailure
+from mixrl.weights.store import WeightStore
 
 # per result (GenerationResult.timings), summed per group into sampler/<key>/<group>
 KV_METRICS = ("prefill_tokens", "reused_tokens", "kv_evictions", "reused_stale_tokens")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from mixrl.sampling.base import GenerationRequest, GenerationResult
+from mixrl.records.generation import GenerationRequest, GenerationResult
 
 
 class Superseded(Exception):

@@ -47,7 +47,10 @@ def resolve_model(spec: str | Path) -> Path:
     if str(spec) == BUNDLED:
         from mixrl.models.policy import bundled_policy_path
 
-        return bundled_policy_path()
+        try:
+            return bundled_policy_path()
+        except FileNotFoundError as e:
+            raise ConfigError(f"model.path = 'bundled': {e}") from None
     from mixrl.models.gguf import is_gguf_spec, resolve_gguf
 
     if is_gguf_spec(spec):
@@ -156,7 +159,7 @@ def check_model(spec: str | Path, chat_template: str | Path | None = None) -> Pa
     if not getattr(tok, "chat_template", None):
         raise ConfigError(f"{where}: the tokenizer has no chat template; give one with "
                           "--set model.chat_template=PATH (a Jinja file)")
-    from mixrl.envs.chat import ChatFormat
+    from mixrl.models.chat import ChatFormat
 
     try:
         ChatFormat(tok)

@@ -8,8 +8,8 @@ safetensors, config, tokenizer with its chat template, and ``recipe.json``
 with the recipe and the digest of the weights it built), so nothing is
 trained on first use. ``mixrl pretrain`` rebuilds it from the recipe.
 
-Another seed (``bundled_policy_path(seed=1)``), or a recipe that no longer
-matches the shipped copy, is built into a cache: ``$MIXRL_HOME/policy-<hash>``
+Another seed, or a recipe that no longer matches the shipped copy, is built by
+``mixrl pretrain --seed N`` (``mixrl.lab.pretrain.ensure_bundled``) into a cache: ``$MIXRL_HOME/policy-<hash>``
 (default ``~/.cache/mixrl``) where the hash covers the whole recipe, under a
 file lock (concurrent workers wait instead of training twice); the directory
 appears atomically (written aside, then renamed).
@@ -17,10 +17,11 @@ appears atomically (written aside, then renamed).
 
 from __future__ import annotations
 
-import fcntl
 import os
 from pathlib import Path
 from typing import Any
+
+from mixrl.models.recipe import Recipe
 
 BUNDLED = "bundled"
 
@@ -84,32 +85,23 @@ def shipped_recipe() -> dict[str, Any] | None:
     return dict(json.loads(meta.read_text()))
 
 
+def cached_policy_path(data_dir: str | Path | None = None, seed: int = 0) -> Path:
+    """Where a build of the bundled recipe for ``seed`` lives in the cache."""
+    return mixrl_home(data_dir) / f"policy-{Recipe(seed=seed).digest()}"
+
+
 def bundled_policy_path(data_dir: str | Path | None = None, seed: int = 0) -> Path:
     """Directory of the bundled policy for ``seed``: the shipped copy when it is that
-    recipe's, else a cached build (pretrained on first use)."""
-    from mixrl.models import pretrain
-
-    recipe = pretrain.Recipe(seed=seed)
+    recipe's, else a cached build; ``FileNotFoundError`` naming ``mixrl pretrain`` when
+    neither exists (a run never trains the policy behind the user's back)."""
     shipped = shipped_recipe()
-    if shipped is not None and shipped.get("digest") == recipe.digest():
+    if shipped is not None and shipped.get("digest") == Recipe(seed=seed).digest():
         return SHIPPED
-    out = mixrl_home(data_dir) / f"policy-{recipe.digest()}"
+    out = cached_policy_path(data_dir, seed)
     if not (out / "recipe.json").exists():
-        build_locked(recipe, out)
+        raise FileNotFoundError(f"the bundled policy for seed {seed} is not built: run `mixrl pretrain --seed {seed}`"
+                                f" (it builds {out})")
     return out
-
-
-def build_locked(recipe: Any, out: Path, force: bool = False) -> bool:
-    """Pretrain ``recipe`` into ``out`` under a file lock; False if it was already built."""
-    from mixrl.models import pretrain
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits, then finds it built
-        if (out / "recipe.json").exists() and not force:
-            return False
-        pretrain.pretrain(recipe, out)
-        return True
 
 
 def resolve(path_or_bundled: str | Path) -> Path:

@@ -48,7 +48,7 @@ ALPHABET: str = "\n" + "".join(chr(c) for c in range(32, 127))  # newline + prin
 assert set(string.printable) - set(ALPHABET) <= set("\t\r\x0b\x0c")
 
 
-# The chat layout as a Jinja template (what ``mixrl.envs.chat`` renders every turn with):
+# The chat layout as a Jinja template (what ``mixrl.models.chat`` renders every turn with):
 #   [<|system|>SYSTEM[\n\nTools:\n{schema}...]<|end|>] <|user|>USER<|end|> <|assistant|>REPLY<|end|>
 #   <|tool|>RESULT<|end|> ... and the generation prompt <|assistant|>.
 CHAT_TEMPLATE = (

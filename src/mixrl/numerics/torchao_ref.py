@@ -3,8 +3,8 @@
 On a machine without CUDA, importing torchao logs one warning per CUDA
 extension it cannot load and torch logs pytree deprecation notes; none of them
 concern the pure-torch reference code used here. The extension warnings are
-dropped by a filter on the ``torchao`` logger that ``import mixrl`` installs
-(``mixrl.runtime.quiet``), before any module of the package can import torchao;
+dropped by a filter on the ``torchao`` logger (``mixrl.system.quiet``), installed here
+before the import (and by every entry point, for a library that imports torchao itself);
 the pytree notes are muted during the import (the logger's level is restored
 afterwards).
 """
@@ -15,9 +15,12 @@ import functools
 import logging
 from types import SimpleNamespace
 
+from mixrl.system.quiet import install_filters
+
 
 @functools.cache
 def torchao_mx() -> SimpleNamespace:
+    install_filters()
     loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:

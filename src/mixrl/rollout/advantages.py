@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixrl.rollout.types import UNREWARDED, Trajectory
+from mixrl.records.trajectory import UNREWARDED, Trajectory
 
 
 def overlong_penalty(n: int, budget: int, buffer: int, factor: float) -> float:

@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixrl.rollout.types import UNREWARDED, Trajectory
+from mixrl.records.trajectory import UNREWARDED, Trajectory
 
 
 @dataclass

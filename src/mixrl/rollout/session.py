@@ -58,8 +58,8 @@ import time
 from collections.abc import Awaitable, Callable
 
 from mixrl.envs.base import Env, StepResult
-from mixrl.rollout.types import Trajectory
-from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.records.generation import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.records.trajectory import Trajectory
 
 Generate = Callable[[GenerationRequest], Awaitable[GenerationResult]]
 SAMPLER_FAILURES = ("numerical_error", "error", "context_exceeded")

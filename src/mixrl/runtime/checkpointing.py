@@ -79,7 +79,7 @@ def load(run_dir: str | Path) -> dict[str, Any] | None:
 
 def restore(orch: Orchestrator, payload: dict[str, Any]) -> None:
     """Restore everything but the trainer (restored first, in ``setup``) and restart sessions."""
-    from mixrl.rollout.types import Trajectory
+    from mixrl.records.trajectory import Trajectory
 
     orch.step = int(payload["step"])
     orch.task_source.load_state_dict(payload["task_source"])

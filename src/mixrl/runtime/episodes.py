@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from mixrl.rollout.types import STATUSES, UNREWARDED, Trajectory
+from mixrl.records.trajectory import STATUSES, UNREWARDED, Trajectory
 
 
 def main_group(t: Trajectory) -> str:

@@ -16,7 +16,7 @@ import abc
 from typing import Any
 
 from mixrl.fleet.handles import SamplerHandle
-from mixrl.rollout.types import Trajectory
+from mixrl.records.trajectory import Trajectory
 
 __all__ = ["Backend", "SamplerHandle", "TrainerHandle"]
 

@@ -39,12 +39,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from mixrl.config import Derived, RunConfig
-from mixrl.envs.base import Task
 from mixrl.fleet.autoscaler import Autoscaler
 from mixrl.fleet.cost import CostModel
 from mixrl.fleet.fleet import Fleet, GroupSpec
-from mixrl.fleet.weights import WeightStore
-from mixrl.observe.monitor import CollapseMonitor
+from mixrl.records.generation import SamplingParams
+from mixrl.records.task import Task
 from mixrl.rollout.advantages import batch_advantages
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.runtime import episodes
@@ -52,7 +51,8 @@ from mixrl.runtime.cpu import LoopCPU
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.runtime.ranks import RankFailure
 from mixrl.runtime.sessions import Sessions, task_from_dict
-from mixrl.sampling.base import SamplingParams
+from mixrl.telemetry.monitor import CollapseMonitor
+from mixrl.weights.store import WeightStore
 
 
 def merge_metrics(parts: list[tuple[str, Mapping[str, float]]]) -> dict[str, float]:
@@ -122,8 +122,8 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ setup
     async def setup(self) -> None:
-        from mixrl.envs.chat import ChatFormat
         from mixrl.envs.registry import make_env, make_task_source
+        from mixrl.models.chat import ChatFormat
 
         cfg = self.cfg
         self.trainer = await self.backend.make_trainer()

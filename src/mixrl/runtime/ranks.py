@@ -29,7 +29,7 @@ import traceback
 from typing import Any
 
 from mixrl.config import RunConfig
-from mixrl.rollout.types import Trajectory
+from mixrl.records.trajectory import Trajectory
 from mixrl.runtime.handles import TrainerHandle
 
 

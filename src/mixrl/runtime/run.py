@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.config import Derived, RunConfig, derive, to_toml
-from mixrl.runtime.heap import settled_heap
+from mixrl.system.heap import settled_heap
 
 
 def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
@@ -86,7 +86,7 @@ class _RunSinks:
     """metrics.jsonl + TensorBoard (+ W&B / trackio) + collapse events + sample episodes."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, tokenizer: Any = None):
-        from mixrl.observe.sinks import Sinks
+        from mixrl.telemetry.sinks import Sinks
 
         o = cfg.observe
         self._s = Sinks(run_dir, o.tensorboard, wandb=o.wandb, trackio=o.trackio, config=cfg.model_dump(mode="json"))
@@ -191,7 +191,7 @@ def train(
     from mixrl.runtime.checkpointing import load
     from mixrl.runtime.orchestrator import Orchestrator
     from mixrl.runtime.progress import ProgressBar
-    from mixrl.runtime.quiet import quiet_loaded, silence_libraries
+    from mixrl.system.quiet import quiet_loaded, silence_libraries
 
     silence_libraries()
     torch.set_num_threads(cfg.runtime.torch_threads)

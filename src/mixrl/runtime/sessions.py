@@ -29,12 +29,12 @@ import hashlib
 from collections.abc import Callable
 from typing import Any
 
-from mixrl.envs.base import Task
 from mixrl.fleet.fleet import Fleet
+from mixrl.records.generation import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.records.task import Task
+from mixrl.records.trajectory import Trajectory
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.rollout.session import SAMPLER_FAILURES, piece_cut
-from mixrl.rollout.types import Trajectory
-from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
 
 
 def request_seed(run_seed: int, request_id: str) -> int:

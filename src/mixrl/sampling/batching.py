@@ -60,7 +60,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mixrl.sampling.base import Engine, GenerationRequest, GenerationResult, ReplicaFailure, Sampler
+from mixrl.records.generation import GenerationRequest, GenerationResult
+from mixrl.sampling.base import Engine, ReplicaFailure, Sampler
 
 Sink = Callable[[list[tuple[Any, "GenerationResult | BaseException"]]], None]
 

@@ -39,10 +39,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixrl.envs.chat import ChatFormat
-from mixrl.envs.untrusted import encode_untrusted
-from mixrl.rollout.types import Trajectory
-from mixrl.sampling.base import GenerationResult
+from mixrl.models.chat import ChatFormat
+from mixrl.models.untrusted import encode_untrusted
+from mixrl.records.generation import GenerationResult
+from mixrl.records.trajectory import Trajectory
 
 # Private-use characters no template or text contains: message contents are located in the
 # rendered text through them and encoded apart, as untrusted text (a tool result that

@@ -36,9 +36,9 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from mixrl.config.presets import HEAD_K  # what a run records at top_p = 1 (config.schema.derive)
-from mixrl.envs.chat import ChatFormat
-from mixrl.rollout.types import Trajectory
-from mixrl.sampling.base import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.models.chat import ChatFormat
+from mixrl.records.generation import GenerationRequest, GenerationResult, SamplingParams
+from mixrl.records.trajectory import Trajectory
 from mixrl.serve import toolcalls
 from mixrl.serve.conversation import SessionStore, content_chars
 from mixrl.serve.stops import cut

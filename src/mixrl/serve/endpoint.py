@@ -23,7 +23,7 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
-from mixrl.sampling.base import GenerationRequest, GenerationResult
+from mixrl.records.generation import GenerationRequest, GenerationResult
 from mixrl.serve.core import ApiError, ServeCore
 
 
@@ -51,8 +51,8 @@ class InRunEndpoint:
             return ep
         import uvicorn
 
-        from mixrl.runtime.heap import settle_heap
         from mixrl.serve.app import MAX_BODY, loopback_socket, make_app, server_options
+        from mixrl.system.heap import settle_heap
 
         routes: dict[str, Any] = {}
 

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from mixrl.rollout.types import UNREWARDED, Trajectory
+from mixrl.records.trajectory import UNREWARDED, Trajectory
 
 
 @dataclass

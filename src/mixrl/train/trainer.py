@@ -51,7 +51,7 @@ from mixrl.config.loss import LossConfig
 from mixrl.config.presets import check_updates, needs
 from mixrl.corrections import LossInputs, aggregation_denominator, compute_loss
 from mixrl.models.chunked import TokenLogprobs, chunked_logprobs
-from mixrl.rollout.types import Trajectory
+from mixrl.records.trajectory import Trajectory
 from mixrl.train.batch import BatchStats, Record, TrainBatch, collate, prepare
 from mixrl.train.packing import (
     MicroBatch,

@@ -25,9 +25,9 @@ from __future__ import annotations
 import functools
 import random
 
-from mixrl.envs.base import Task
 from mixrl.envs.coding.env import CodingEnv
 from mixrl.envs.coding.loader import load_tasks, split_tasks
+from mixrl.records.task import Task
 
 __all__ = ["CodingEnv", "bundled_tasks", "load_tasks", "make_task", "split_tasks"]
 

@@ -27,7 +27,7 @@ Rules (the shared ones are in ``envs/turns.py``; call syntax in ``tools.py``):
 - what the model does to its own tree or commands (``chmod 000 /testbed``, a
   200 KB command, a path past PATH_MAX, a diff it makes impossible) is a tool
   result or a reward of 0, never ``infra_failed``; tool output is encoded as
-  untrusted text (no special-token id can come from it, ``envs/untrusted.py``);
+  untrusted text (no special-token id can come from it, ``models/untrusted.py``);
 - our failures (no bwrap, a sandbox that does not start, a grading runner
   that does not start) end with ``infra_failed`` and reward ``None``; a
   sandbox that cannot be created at ``reset`` raises, which the session
@@ -43,14 +43,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from mixrl.envs.base import Env, StepResult, Task
-from mixrl.envs.chat import ChatFormat
+from mixrl.envs.base import Env, StepResult
 from mixrl.envs.coding.grade import GradeResult, grade_sandbox
 from mixrl.envs.coding.loader import ensure_hidden
 from mixrl.envs.coding.tools import Malformed, parse_tool_call
 from mixrl.envs.sandbox import ExecResult, Sandbox, SandboxError, SandboxLimits
 from mixrl.envs.turns import TurnTracker
-from mixrl.envs.untrusted import strip_control
+from mixrl.models.chat import ChatFormat
+from mixrl.models.untrusted import strip_control
+from mixrl.records.task import Task
 
 SYSTEM = (
     "You are fixing a bug in a Python repository at /testbed. Run shell commands with "

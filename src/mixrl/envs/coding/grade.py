@@ -53,7 +53,7 @@ from mixrl.envs.coding.loader import ensure_hidden
 from mixrl.envs.coding.oracle_child import RESULT, STARTED
 from mixrl.envs.coding.pytest_runner import RESTORE_FAILED, RESTORED
 from mixrl.envs.sandbox import DiffError, ExecResult, Sandbox, SandboxError, SandboxLimits
-from mixrl.envs.untrusted import strip_control
+from mixrl.models.untrusted import strip_control
 
 RUNNER = Path(__file__).with_name("pytest_runner.py")
 ORACLE_CHILD = Path(__file__).with_name("oracle_child.py")

@@ -37,9 +37,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from mixrl.envs.base import Task
 from mixrl.envs.coding.oracle import parse_oracle
 from mixrl.envs.sandbox.runtime import visible_in_sandbox
+from mixrl.records.task import Task
 
 TASKS_DIR = Path(__file__).with_name("tasks")
 SUFFIX = ".txt"

@@ -41,12 +41,13 @@ from typing import Any
 
 import torch
 
-from mixrl.sampling.base import Engine, FinishReason, GenerationRequest, GenerationResult
+from mixrl.records.generation import FinishReason, GenerationRequest, GenerationResult
+from mixrl.sampling.base import Engine
 from mixrl.sampling.builtin import fast
-from mixrl.sampling.builtin.memory import release_freed_memory
 from mixrl.sampling.builtin.precision import from_profile
 from mixrl.sampling.builtin.prefix_cache import PrefixStore
 from mixrl.sampling.builtin.running import Running
+from mixrl.system.memory import release_freed_memory
 
 _MASK64 = (1 << 64) - 1
 SUPPORT_BUFFER_BYTES = 256 << 20  # above this, whole-vocabulary supports are listed step by step

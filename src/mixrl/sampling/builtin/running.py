@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from mixrl.sampling.base import FinishReason, GenerationRequest, GenerationResult
+from mixrl.records.generation import FinishReason, GenerationRequest, GenerationResult
 from mixrl.sampling.builtin import prefix_cache
 from mixrl.sampling.builtin.sample import draw, sampling_logprobs
 

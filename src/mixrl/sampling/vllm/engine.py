@@ -53,14 +53,13 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from mixrl.sampling.base import (
-    Engine,
+from mixrl.records.generation import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
-    ReplicaFailure,
     SamplingParams,
 )
+from mixrl.sampling.base import Engine, ReplicaFailure
 from mixrl.sampling.vllm.formats import allow_amx, detect_platform, vllm_options
 from mixrl.sampling.vllm.outputs import kv_counts, routing_problem, to_result, with_routing
 from mixrl.sampling.vllm.weights import (
@@ -486,10 +485,3 @@ class VLLMEngine(Engine):
                                    {**timings, **kv_counts(o, len(r.prompt_ids))}), o.outputs[0], self.routing)
             for r, o in zip(reqs, outs, strict=True)
         ]
-
-
-def bench_fields(model_path: str, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:
-    """The ``mixrl bench sampler`` hook: ``vllm.bench.bench_vllm`` at temperature 1, whole vocabulary."""
-    from mixrl.sampling.vllm.bench import bench_vllm
-
-    return bench_vllm(model_path, prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, record="none"))

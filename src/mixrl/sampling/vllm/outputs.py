@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mixrl.sampling.base import FinishReason, GenerationResult, SamplingParams
+from mixrl.records.generation import FinishReason, GenerationResult, SamplingParams
 
 
 def to_result(

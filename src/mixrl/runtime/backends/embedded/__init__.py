@@ -33,7 +33,6 @@ from typing import Any
 
 from mixrl.config import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
-from mixrl.runtime.backends.embedded.formats import format_key, quantizer, serving_profile
 from mixrl.runtime.backends.embedded.process import ProcessSampler
 from mixrl.runtime.backends.embedded.slots import QuantizeSlots
 from mixrl.runtime.backends.embedded.threads import (
@@ -51,6 +50,7 @@ from mixrl.runtime.backends.placement import (
     visible_gpus,
 )
 from mixrl.runtime.handles import Backend, TrainerHandle
+from mixrl.weights.formats import format_key, quantizer, serving_profile
 
 __all__ = ["EmbeddedBackend", "EmbeddedTrainer", "ProcessSampler", "ThreadSampler", "group_profile", "replica_seed"]
 
@@ -58,8 +58,8 @@ __all__ = ["EmbeddedBackend", "EmbeddedTrainer", "ProcessSampler", "ThreadSample
 def check_shm(cfg: RunConfig, model_path: str) -> None:
     """Refuse at start-up, in one line, when /dev/shm cannot hold the weight versions the
     sampler workers map: ``KEEP_VERSIONS`` FP32 copies plus one quantized copy per format."""
-    from mixrl.fleet.shared_weights import checkpoint_bytes, shm_shortfall
-    from mixrl.fleet.weights import KEEP_VERSIONS
+    from mixrl.weights.shared import checkpoint_bytes, shm_shortfall
+    from mixrl.weights.store import KEEP_VERSIONS
 
     formats = {format_key(group_profile(cfg, g.name), False) for g in cfg.fleet.groups} - {None}
     problem = shm_shortfall(checkpoint_bytes(model_path) * (KEEP_VERSIONS + len(formats)))
@@ -100,8 +100,8 @@ class EmbeddedBackend(Backend):
         # FSDP2 ranks, one process each (mixrl.runtime.ranks); a CUDA trainer (num_gpus > 0)
         # is a rank process too, even alone: this process keeps no CUDA context
         if self.cfg.trainer.world_size > 1 or self.cfg.trainer.num_gpus > 0:
-            from mixrl.fleet.shared_weights import SharedVersion
             from mixrl.runtime.gpu import require_cuda
+            from mixrl.weights.shared import SharedVersion
 
             if self.cfg.trainer.num_gpus > 0:  # here, in one line, not in every rank's traceback
                 require_cuda("trainer.num_gpus > 0")

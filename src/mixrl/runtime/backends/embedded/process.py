@@ -35,9 +35,11 @@ import threading
 from typing import Any
 
 from mixrl.fleet.handles import SamplerHandle
-from mixrl.fleet.shared_weights import SharedVersion
+from mixrl.records.generation import GenerationRequest, GenerationResult
 from mixrl.runtime.backends.embedded.slots import QuantizeSlots
-from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
+from mixrl.sampling.base import ReplicaFailure
+from mixrl.system.quiet import install_filters
+from mixrl.weights.shared import SharedVersion
 
 START_TIMEOUT_S = 600.0  # a loaded 2-core machine can take minutes to import torch and build an engine
 
@@ -49,8 +51,9 @@ def mp_context() -> Any:
 
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload([  # mixrl first: it quiets torchao and torch logs for every import after it
-            "mixrl", "torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "mixrl.runtime.backends.embedded.worker",
+        install_filters()  # TORCH_LOGS before the server imports torch (the environment is inherited)
+        ctx.set_forkserver_preload([  # the quieting first: torchao and torch logs for every import after it
+            "mixrl.system.quiet", "torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "mixrl.runtime.backends.embedded.worker",
             "mixrl.sampling.batching", "mixrl.sampling.factory", "mixrl.sampling.builtin.engine", "mixrl.numerics",
         ])
         return ctx

@@ -27,10 +27,11 @@ from typing import Any
 
 from mixrl.config import RunConfig
 from mixrl.fleet.handles import SamplerHandle
-from mixrl.fleet.shared_weights import SharedVersion, map_manifest
-from mixrl.rollout.types import Trajectory
+from mixrl.records.generation import GenerationRequest, GenerationResult
+from mixrl.records.trajectory import Trajectory
 from mixrl.runtime.handles import TrainerHandle
-from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
+from mixrl.sampling.base import ReplicaFailure
+from mixrl.weights.shared import SharedVersion, map_manifest
 
 # Loading an HF model swaps global module state (meta-device initialisation), so two
 # loads in two threads at once can leave one model with meta tensors: one at a time.

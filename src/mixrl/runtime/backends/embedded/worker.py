@@ -51,12 +51,15 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from mixrl.system.quiet import silence_libraries
+
 SAMPLER_NICE = 5  # niceness above the parent's (a weight about 3x lower for the kernel's scheduler)
 
 
 def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, threads: int, quant_profile: Any = None,
          batching: dict[str, Any] | None = None, cuda_visible: str | None = None,
          engine_kw: dict[str, Any] | None = None) -> None:
+    silence_libraries()
     if cuda_visible is not None:  # before anything initialises CUDA: this worker sees its GPU only
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible
     # Ctrl-C reaches the whole process group: the orchestrator handles it (checkpoint, then
@@ -82,7 +85,7 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
         conn.send(("fatal", 0, traceback.format_exc()))
         conn.close()
         return
-    from mixrl.runtime.heap import settle_heap
+    from mixrl.system.heap import settle_heap
 
     settle_heap()  # full collections no longer walk torch's and the engine's start-up heap
     conn.send(("ready", 0, os.getpid()))
@@ -220,7 +223,7 @@ class WorkerServer:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     async def load(self, rid: int, manifest: Any, version: int) -> None:
-        from mixrl.fleet.shared_weights import map_manifest
+        from mixrl.weights.shared import map_manifest
 
         t0 = time.perf_counter()
         try:
@@ -231,7 +234,7 @@ class WorkerServer:
 
     async def quantize_then_load(self, rid: int, base: Any, path: str | None,
                                  then: tuple[int, int] | None = None) -> None:
-        from mixrl.fleet.shared_weights import map_manifest
+        from mixrl.weights.shared import map_manifest
 
         try:
             t0 = time.perf_counter()
@@ -262,12 +265,12 @@ class WorkerServer:
     def quantize_tensors(self, tensors: dict[str, Any], path: str | None) -> tuple[Any, dict[str, Any]]:
         """This format's quantization of one version: (the manifest of the file it wrote,
         or None when ``path`` is None: nothing written; the tensors it changed)."""
-        from mixrl.fleet.shared_weights import write_tensors
+        from mixrl.weights.shared import write_tensors
 
         if self.quantize is None:
             if self.quant_profile is None:
                 raise RuntimeError("this worker was started without a weight format to quantize into")
-            from mixrl.runtime.backends.embedded.formats import quantizer
+            from mixrl.weights.formats import quantizer
 
             self.quantize = quantizer(self.quant_profile)
         changed = {}

@@ -16,8 +16,8 @@ from typing import Any
 import ray
 
 from mixrl.config import RunConfig
-from mixrl.rollout.types import Trajectory
-from mixrl.sampling.base import GenerationRequest, GenerationResult
+from mixrl.records.generation import GenerationRequest, GenerationResult
+from mixrl.records.trajectory import Trajectory
 
 # Actors take their resources from their placement-group bundle (``RayBackend``).
 ACTOR_OPTS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
@@ -45,7 +45,7 @@ class SamplerActor:
         quantization into the format; its result goes to the object store for every
         replica of the format)."""
         if self._quantize is None:
-            from mixrl.runtime.backends.embedded.formats import quantizer
+            from mixrl.weights.formats import quantizer
 
             self._quantize = quantizer(self.quant_profile)
         q = self._quantize
@@ -60,7 +60,7 @@ class SamplerActor:
 
     async def channel_join(self, host: str, port: int, device: str) -> None:
         """Rank 1 of this replica's weights channel to the trainer (broadcast transport)."""
-        from mixrl.fleet.broadcast import join
+        from mixrl.weights.broadcast import join
 
         self.channel = await asyncio.to_thread(join, host, port, device)
 
@@ -125,7 +125,7 @@ class TrainerActor:
     def _sender(self) -> Any:
         with self._sender_lock:  # methods of two concurrency groups may ask first
             if self.sender is None:
-                from mixrl.fleet.broadcast import Sender
+                from mixrl.weights.broadcast import Sender
 
                 self.sender = Sender()
             return self.sender

@@ -15,12 +15,13 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import remove_placement_group
 
-from mixrl.fleet.broadcast import Broadcast
 from mixrl.fleet.handles import SamplerHandle, Superseded
-from mixrl.rollout.types import Trajectory
-from mixrl.runtime.backends.format_refs import FormatRefs
+from mixrl.records.generation import GenerationRequest, GenerationResult
+from mixrl.records.trajectory import Trajectory
 from mixrl.runtime.handles import TrainerHandle
-from mixrl.sampling.base import GenerationRequest, GenerationResult, ReplicaFailure
+from mixrl.sampling.base import ReplicaFailure
+from mixrl.weights.broadcast import Broadcast
+from mixrl.weights.format_refs import FormatRefs
 
 
 class RayRanks(TrainerHandle):

@@ -1,0 +1,1 @@
+"""mixrl.lab.bench"""

@@ -1,0 +1,1 @@
+"""The records that cross boundaries, each with its one check."""
