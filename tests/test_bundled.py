@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from mixrl.lab import pretrain
-from mixrl.models.policy import SHIPPED, bundled_policy_path, load_policy, shipped_recipe
+from mixrl.models.policy import load_policy
+from mixrl.models.shipped import SHIPPED, bundled_policy_path, shipped_recipe
 
 torch.set_num_threads(1)
 

@@ -324,7 +324,7 @@ def test_ragged_batch_equals_one_at_a_time(tied):
 
 
 def test_support_buffer_and_step_by_step_listing_agree(untied, monkeypatch):
-    import mixrl.sampling.builtin.engine as engine_mod
+    import mixrl.sampling.builtin.running as running_mod
 
     reqs = [
         GenerationRequest(p, SamplingParams(max_new_tokens=7, seed=i, top_p=0.8 if i == 1 else 1.0,
@@ -333,7 +333,7 @@ def test_support_buffer_and_step_by_step_listing_agree(untied, monkeypatch):
     ]  # fmt: skip
     engine = BuiltinEngine(untied, get_profile("fp32"), "g", stop_on_eos=False)
     buffered = engine.generate_batch(reqs)
-    monkeypatch.setattr(engine_mod, "SUPPORT_BUFFER_BYTES", 0)
+    monkeypatch.setattr(running_mod, "SUPPORT_BUFFER_BYTES", 0)
     listed = engine.generate_batch(reqs)
     for a, b in zip(buffered, listed, strict=True):
         assert (a.token_ids, a.cand_offsets, a.cand_ids) == (b.token_ids, b.cand_offsets, b.cand_ids)

@@ -116,7 +116,8 @@ def bundled(tmp_path_factory: pytest.TempPathFactory) -> str:
     from transformers import AutoModelForCausalLM
 
     from mixrl.lab import pretrain
-    from mixrl.models.policy import mixrl_home, qwen3_config
+    from mixrl.models.policy import qwen3_config
+    from mixrl.models.shipped import mixrl_home
     from mixrl.models.tokenizer import save_tokenizer
 
     recipe = pretrain.Recipe()

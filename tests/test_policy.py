@@ -10,7 +10,8 @@ import torch
 
 from mixrl.lab import pretrain
 from mixrl.models.chat import ChatFormat
-from mixrl.models.policy import bundled_policy_path, load_policy, tiny_config
+from mixrl.models.policy import load_policy, tiny_config
+from mixrl.models.shipped import bundled_policy_path
 from mixrl.models.tokenizer import build_tokenizer
 
 MINI = pretrain.Recipe(layers=1, hidden=32, heads=2, kv_heads=1, intermediate=64, steps=3, batch=4,
@@ -77,13 +78,13 @@ def test_save_and_reload_by_path_gives_same_logits(tmp_path) -> None:
 def test_bundled_path_is_cached_by_recipe_hash(tmp_path, monkeypatch) -> None:
     """ensure_bundled builds once under the cache root and then reuses it; a run only looks the
     build up (it names ``mixrl pretrain`` when there is none)."""
-    from mixrl.models import policy
+    from mixrl.models import shipped
 
     def mini(seed: int = 0) -> pretrain.Recipe:
         return dataclasses.replace(MINI, seed=seed)
 
     monkeypatch.setattr(pretrain, "Recipe", mini)
-    monkeypatch.setattr(policy, "Recipe", mini)
+    monkeypatch.setattr(shipped, "Recipe", mini)
     calls = []
     real = pretrain.pretrain
     monkeypatch.setattr(pretrain, "pretrain", lambda r, out: calls.append(out) or real(r, out, log=None))

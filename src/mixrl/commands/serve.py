@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mixrl.serve.app import BATCHING, loop_runner
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", help='"bundled", a local HF model directory, or a hub id in the local HF cache')
@@ -54,7 +56,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 # A burst of HTTP requests reaches a sampler one parse at a time: gather it (idle_ms).
-BATCHING = {"max_batch": 64, "max_wait_ms": 500, "idle_ms": 5}
 
 
 def _loopback(host: str) -> bool:
@@ -133,16 +134,6 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
         await task
     finally:
         await fleet.close()
-
-
-def loop_runner() -> Any:
-    """``uvloop.run`` where uvloop is installed (``uvicorn[standard]``): a cheaper event loop per
-    HTTP request; else ``asyncio.run``."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run
-    return uvloop.run
 
 
 def main(args: argparse.Namespace) -> int:

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mixrl.envs.base import Env, StepResult
+from mixrl.envs.family import Family
 from mixrl.records.generation import GenerationRequest, GenerationResult, SamplingParams
 from mixrl.records.task import Task
 from mixrl.records.trajectory import Trajectory
@@ -168,8 +169,6 @@ class OpenAIAgentEnv(EndpointEnv):
 
 def family(name: str) -> Any:
     """The registry's family for ``env.name = "openai_agent:SPEC"``: rows come from ``[data]``."""
-    from mixrl.envs.registry import Family
-
     try:
         make_env = make_agent_family(name)
     except ValueError as e:

@@ -12,14 +12,14 @@ variety and for comparisons with single-turn frameworks; the default warm
 start does not train them, so the bundled policy starts near 0 there.
 ``mix`` interleaves calc and upper (even indices calc, odd upper).
 
-Adding a family (the hook ``envs/coding`` uses): call
+Adding a family (the hook ``envs/coding`` uses): give your module
 
-    register_family(name, make_task=fn(seed, split, index) -> Task,
-                    make_env=fn(task, chat, **cfg) -> Env, heldout_size=N)
+    def family(name) -> Family(name, make_task=fn(seed, split, index) -> Task,
+                               make_env=fn(task, chat, **cfg) -> Env, heldout_size=N)
 
-at import of your module, and add ``name -> module`` to ``LAZY_FAMILIES`` so
-the registry imports it on first use (``"coding" -> "mixrl.envs.coding"`` is
-there already). ``make_env`` passes only the ``cfg`` keys that the family's
+and add ``name -> module`` to ``LAZY_FAMILIES``: the registry imports it and
+calls ``family`` on first use (``"coding" -> "mixrl.envs.coding"`` is there
+already); ``register_family`` adds one directly. ``make_env`` passes only the ``cfg`` keys that the family's
 factory accepts, so one config can serve a mix of families; ``check_env``
 (run at ``--dry-run``) rejects a key no part accepts, naming the valid ones.
 
@@ -39,24 +39,16 @@ import importlib
 import importlib.metadata
 import inspect
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from mixrl.envs import calc, dataset, reverse, upper
 from mixrl.envs.base import Env
+from mixrl.envs.family import ACTIVE, Active, Family
 from mixrl.models.chat import ChatFormat
 from mixrl.records.task import Task
 
 SPLITS = ("train", "heldout")
 TRAIN_SIZE = 10**9  # train sources are effectively endless
-
-
-@dataclass(frozen=True)
-class Family:
-    name: str
-    make_task: Callable[[int, str, int], Task] | None  # (seed, split, index) -> Task; None = needs [data]
-    make_env: Callable[..., Env]  # (task, chat, **cfg) -> Env
-    heldout_size: int = 200
 
 
 FAMILIES: dict[str, Family] = {}
@@ -121,7 +113,7 @@ def _import_target(name: str) -> Any:
 
 def get_family(name: str) -> Family:
     if name not in FAMILIES and name in LAZY_FAMILIES:
-        importlib.import_module(LAZY_FAMILIES[name])  # registers itself on import
+        FAMILIES[name] = importlib.import_module(LAZY_FAMILIES[name]).family(name)
     for prefix, module in PREFIXED.items():
         if name not in FAMILIES and name.startswith(prefix):
             FAMILIES[name] = importlib.import_module(module).family(name)
@@ -176,19 +168,6 @@ def check_env(name: str, options: dict[str, Any], has_data: bool) -> None:
     bad = sorted(set(options) - valid)
     if bad:
         raise ValueError(f"env.options: unknown option(s) {bad} for environment {name!r}; valid: {sorted(valid)}")
-
-
-@dataclass
-class Active:
-    """The run's dataset, reward functions and environment options (``activate``)."""
-
-    data: Any = None
-    rewards: Any = None
-    options: dict[str, Any] | None = None
-    split_seed: int = 0  # seeds data.heldout_fraction (the run's seed)
-
-
-ACTIVE = Active()
 
 
 def activate(cfg: Any) -> Active:

@@ -93,7 +93,7 @@ class VerifiersEnv(EndpointEnv):
 
 def family(name: str) -> Any:
     """The registry's family for ``env.name = "verifiers:SPEC"``: tasks are the environment's rows."""
-    from mixrl.envs import registry
+    from mixrl.envs import family as registry
 
     spec = name[len(PREFIX):]
     if not spec:

@@ -238,7 +238,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mixrl.models.policy import mixrl_home
+    from mixrl.models.shipped import mixrl_home
 
     recipe = Recipe(seed=args.seed)
     if args.steps is not None:
@@ -270,8 +270,8 @@ def build_locked(recipe: Recipe, out: Path, force: bool = False) -> bool:
 
 def ensure_bundled(data_dir: str | Path | None = None, seed: int = 0) -> Path:
     """The bundled policy for ``seed``, built into the cache first when neither the shipped copy
-    nor a cached build is that recipe's (``mixrl.models.policy.bundled_policy_path``)."""
-    from mixrl.models.policy import bundled_policy_path, cached_policy_path
+    nor a cached build is that recipe's (``mixrl.models.shipped.bundled_policy_path``)."""
+    from mixrl.models.shipped import bundled_policy_path, cached_policy_path
 
     try:
         return bundled_policy_path(data_dir, seed)

@@ -43,6 +43,7 @@ import tempfile
 from pathlib import Path
 
 from mixrl.config import ConfigError
+from mixrl.models.shipped import mixrl_home
 
 PKG = "pkg:"
 MAGIC = b"GGUF"
@@ -53,8 +54,6 @@ def cache_root() -> Path:
     """``$MIXRL_GGUF_CACHE``, else ``$MIXRL_HOME/gguf`` (``~/.cache/mixrl/gguf``)."""
     if os.environ.get("MIXRL_GGUF_CACHE"):
         return Path(os.environ["MIXRL_GGUF_CACHE"]).expanduser()
-    from mixrl.models.policy import mixrl_home
-
     return mixrl_home() / "gguf"
 
 

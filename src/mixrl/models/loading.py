@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.config import ConfigError
+from mixrl.models.shipped import BUNDLED, bundled_policy_path
 
-BUNDLED = "bundled"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
@@ -45,8 +45,6 @@ def _hf_home() -> str:
 def resolve_model(spec: str | Path) -> Path:
     """``"bundled"``, a local HF directory or a cached hub id -> the model's directory."""
     if str(spec) == BUNDLED:
-        from mixrl.models.policy import bundled_policy_path
-
         try:
             return bundled_policy_path()
         except FileNotFoundError as e:

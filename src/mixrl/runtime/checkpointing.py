@@ -23,17 +23,17 @@ repeated.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from mixrl.runtime.sessions import task_from_dict
 
-if TYPE_CHECKING:
-    from mixrl.runtime.orchestrator import Orchestrator
+# ``orch`` below is the run's Orchestrator, which calls these two functions (typed ``Any``: this
+# module is below it and does not import it).
 
 FORMAT = 1
 
 
-async def save(orch: Orchestrator) -> Path | None:
+async def save(orch: Any) -> Path | None:
     from mixrl.train.checkpoint import save_checkpoint
     from mixrl.train.export import write_hf_dir
 
@@ -77,7 +77,7 @@ def load(run_dir: str | Path) -> dict[str, Any] | None:
     return payload
 
 
-def restore(orch: Orchestrator, payload: dict[str, Any]) -> None:
+def restore(orch: Any, payload: dict[str, Any]) -> None:
     """Restore everything but the trainer (restored first, in ``setup``) and restart sessions."""
     from mixrl.records.trajectory import Trajectory
 

@@ -222,3 +222,17 @@ def server_options() -> dict[str, Any]:
     else:
         http = "httptools"
     return {"http": http, "proxy_headers": False, "access_log": False, "log_level": "warning"}
+
+
+# How the endpoint's replicas batch concurrent requests (`mixrl serve` and its benchmarks).
+BATCHING = {"max_batch": 64, "max_wait_ms": 500, "idle_ms": 5}
+
+
+def loop_runner() -> Any:
+    """``uvloop.run`` where uvloop is installed (``uvicorn[standard]``): a cheaper event loop per
+    HTTP request; else ``asyncio.run``."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run
+    return uvloop.run

@@ -27,6 +27,7 @@ import random
 
 from mixrl.envs.coding.env import CodingEnv
 from mixrl.envs.coding.loader import load_tasks, split_tasks
+from mixrl.envs.family import Family
 from mixrl.records.task import Task
 
 __all__ = ["CodingEnv", "bundled_tasks", "load_tasks", "make_task", "split_tasks"]
@@ -56,10 +57,6 @@ def make_task(seed: int, split: str, index: int) -> Task:
     return Task(prompt_id=f"coding/{split}/s{seed}/{index}", family="coding", split=split, data=dict(base.data))
 
 
-def _register() -> None:
-    from mixrl.envs.registry import register_family
-
-    register_family("coding", make_task, CodingEnv, heldout_size=len(bundled_tasks()[1]))
-
-
-_register()
+def family(name: str) -> Family:
+    """The registry's family for ``env.name = "coding"`` (imported on first use)."""
+    return Family(name, make_task, CodingEnv, heldout_size=len(bundled_tasks()[1]))

@@ -94,8 +94,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REFERENCE: dict[str, Any] = dict(vocab_size=384, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=64)  # fmt: skip
+from mixrl.lab.bench.fixtures import REFERENCE
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -122,7 +121,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _bundled_if_built() -> Path | None:
     try:
         from mixrl.lab import pretrain
-        from mixrl.models.policy import mixrl_home
+        from mixrl.models.shipped import mixrl_home
 
         p = mixrl_home() / f"policy-{pretrain.Recipe().digest()}"
         return p if (p / "recipe.json").exists() else None
@@ -135,7 +134,7 @@ def resolve_model(spec: str, workdir: str, seed: int) -> tuple[str, str]:
     if spec in ("auto", "bundled"):
         path = _bundled_if_built()
         if path is None and spec == "bundled":
-            from mixrl.models.policy import bundled_policy_path
+            from mixrl.models.shipped import bundled_policy_path
 
             path = bundled_policy_path()
         if path is not None:

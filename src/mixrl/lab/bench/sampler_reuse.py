@@ -43,7 +43,11 @@ import tempfile
 import time
 from typing import Any
 
+from mixrl.lab.bench.fixtures import REFERENCE
+
 FOLLOW_UP = "Next question: {q}"
+
+
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -72,8 +76,6 @@ def check(args: argparse.Namespace) -> str | None:
 
 
 def _model(spec: str, workdir: str, seed: int) -> tuple[str, str]:
-    from mixrl.lab.bench.sampler import REFERENCE
-
     if spec in ("auto", "bundled"):  # the demo's policy, shipped with its tokenizer and chat template
         from mixrl.models.policy import resolve
 

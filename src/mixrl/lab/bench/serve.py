@@ -69,6 +69,7 @@ import time
 from typing import Any
 
 from mixrl.lab.bench import serve_hostile
+from mixrl.lab.bench.fixtures import random_model, shape
 from mixrl.lab.bench.stats import load_summary, median_interval, round_medians
 
 
@@ -310,34 +311,6 @@ async def _counts(sampler: Any) -> tuple[int, int, float | None]:
     return sampler.batches, sampler.steps, None
 
 
-def _shape(spec: str) -> tuple[int, int]:
-    """(hidden, layers) of ``random:HIDDENxLAYERS``; ValueError naming the flag otherwise."""
-    try:
-        hidden, layers = (int(x) for x in spec.split(":", 1)[1].lower().split("x"))
-    except ValueError:
-        raise ValueError(f"--model/--long-model {spec!r}: expected random:HIDDENxLAYERS, e.g. random:256x4") from None
-    if hidden < 32 or hidden % 32 or not 1 <= layers <= 64:
-        raise ValueError(f"--model/--long-model {spec!r}: HIDDEN must be a multiple of 32, LAYERS in [1, 64]")
-    return hidden, layers
-
-
-def random_model(spec: str, into: str) -> str:
-    """``random:HIDDENxLAYERS``: a randomly initialised Qwen3 on the bundled tokenizer, saved in ``into``."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from mixrl.models.policy import qwen3_config
-    from mixrl.models.tokenizer import save_tokenizer
-
-    hidden, layers = _shape(spec)
-    tok = save_tokenizer(into)
-    torch.manual_seed(0)
-    cfg = qwen3_config(len(tok), layers=layers, hidden=hidden, heads=hidden // 32, kv_heads=1,
-                       intermediate=3 * hidden, max_positions=1024, pad_id=tok.pad_token_id, eos_id=tok.eos_token_id)
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(into)
-    return into
-
-
 async def _workload(model: str, max_tokens: int, repeats: int, args: argparse.Namespace) -> dict[str, Any]:
     import tempfile
 
@@ -444,7 +417,7 @@ def main(args: argparse.Namespace) -> int:
     if args.client:  # the endpoint arm's client process
         import sys
 
-        from mixrl.commands.serve import loop_runner
+        from mixrl.serve.app import loop_runner
 
         async def ready() -> None:  # tell the server, wait for its go
             print("ready", flush=True)
@@ -469,8 +442,8 @@ def main(args: argparse.Namespace) -> int:
     try:
         for spec in (args.model, args.long_model):
             if spec.startswith("random:"):
-                _shape(spec)
-        from mixrl.commands.serve import loop_runner
+                shape(spec)
+        from mixrl.serve.app import loop_runner
 
         res = loop_runner()(_run(args))  # the event loop ``mixrl serve`` runs on, for both arms
     except ValueError as e:

@@ -272,12 +272,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     import uvicorn
     from transformers import AutoTokenizer
 
-    from mixrl.commands.serve import BATCHING
-    from mixrl.lab.bench.serve import random_model
+    from mixrl.lab.bench.fixtures import random_model
     from mixrl.models.chat import ChatFormat
     from mixrl.models.loading import resolve_model
     from mixrl.runtime.backends.embedded.process import ProcessSampler
-    from mixrl.serve.app import loopback_socket, make_app, server_options
+    from mixrl.serve.app import BATCHING, loopback_socket, make_app, server_options
     from mixrl.serve.core import ServeCore
     from mixrl.system.heap import settle_heap
 
@@ -360,7 +359,7 @@ def main(args: argparse.Namespace) -> int:
         print("mixrl bench serve: --hostile-rounds must be >= 1, --hostile-seconds > 0, --hostile-pause >= 0",
               flush=True)
         return 2
-    from mixrl.commands.serve import loop_runner
+    from mixrl.serve.app import loop_runner
 
     try:
         res = loop_runner()(run(args))
@@ -378,6 +377,6 @@ def main(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":  # the client process: PORT ARGS_JSON
-    from mixrl.commands.serve import loop_runner
+    from mixrl.serve.app import loop_runner
 
     loop_runner()(_client(int(sys.argv[1]), argparse.Namespace(**json.loads(sys.argv[2]))))

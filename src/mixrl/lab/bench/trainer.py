@@ -56,7 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mixrl.lab.bench.trainer_dist import measure_fsdp, measure_lora
+from mixrl.lab.bench.trainer_dist import batch_of, measure_fsdp, measure_lora, run_config
 
 SIZES = (128, 512, 1024)
 
@@ -88,17 +88,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------ shared pieces
-
-
-def run_config(model_path: str, budget: int | None, packing: bool, seed: int, threads: int) -> Any:
-    """The demo's run config with the trainer settings under test."""
-    from mixrl.config import load_config
-
-    sets = [f'model.path="{model_path}"', f"runtime.seed={seed}", f"runtime.torch_threads={threads}",
-            f"optim.packing={'true' if packing else 'false'}"]
-    if budget is not None:
-        sets.append(f"optim.micro_batch_tokens={budget}")
-    return load_config(None, sets)
 
 
 def sample_episodes(model_path: str, n: int, seed: int, threads: int,
@@ -143,19 +132,6 @@ def sample_episodes(model_path: str, n: int, seed: int, threads: int,
 
     trajs = [t for t in asyncio.run(run_all()) if t.status != "infra_failed"][:n]
     return [t.to_dict() for t in trajs]
-
-
-def batch_of(data: list[dict[str, Any]], n: int, seed: int) -> tuple[list[Any], list[float]]:
-    """``n`` trajectories (the sampled ones, repeated) and seeded advantages."""
-    import torch
-
-    from mixrl.records.trajectory import Trajectory
-
-    trajs = [Trajectory.from_dict(data[i % len(data)]) for i in range(n)]
-    for i, t in enumerate(trajs):  # repeats are new groups
-        t.prompt_id = f"{t.prompt_id}/{i // len(data)}"
-    adv = torch.randn(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    return trajs, adv
 
 
 def make_trainer(model_path: str, budget: int | None, packing: bool, seed: int, threads: int) -> Any:

@@ -26,8 +26,31 @@ import time
 from typing import Any
 
 
+def run_config(model_path: str, budget: int | None, packing: bool, seed: int, threads: int) -> Any:
+    """The demo's run config with the trainer settings under test."""
+    from mixrl.config import load_config
+
+    sets = [f'model.path="{model_path}"', f"runtime.seed={seed}", f"runtime.torch_threads={threads}",
+            f"optim.packing={'true' if packing else 'false'}"]
+    if budget is not None:
+        sets.append(f"optim.micro_batch_tokens={budget}")
+    return load_config(None, sets)
+
+
+def batch_of(data: list[dict[str, Any]], n: int, seed: int) -> tuple[list[Any], list[float]]:
+    """``n`` trajectories (the sampled ones, repeated) and seeded advantages."""
+    import torch
+
+    from mixrl.records.trajectory import Trajectory
+
+    trajs = [Trajectory.from_dict(data[i % len(data)]) for i in range(n)]
+    for i, t in enumerate(trajs):  # repeats are new groups
+        t.prompt_id = f"{t.prompt_id}/{i // len(data)}"
+    adv = torch.randn(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    return trajs, adv
+
+
 def measure_fsdp(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
-    from mixrl.lab.bench.trainer import batch_of, run_config
     from mixrl.runtime.ranks import LocalRanks
     from mixrl.runtime.run import resolve_loss
     from mixrl.runtime.trainer_state import build_trainer
@@ -72,7 +95,6 @@ def measure_fsdp(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, An
 
 def measure_lora(args: argparse.Namespace, data: dict[str, Any]) -> dict[str, Any]:
     from mixrl.config import LoraConfig
-    from mixrl.lab.bench.trainer import batch_of, run_config
     from mixrl.runtime.run import resolve_loss
     from mixrl.runtime.trainer_state import build_trainer
 

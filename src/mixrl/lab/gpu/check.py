@@ -41,6 +41,8 @@ from typing import Any
 
 import torch
 
+from mixrl.lab.gpu import Skip
+
 # relative error bound of loss and gradient norm against float64, in units of roundoff u of
 # the compute dtype: 8u for bf16 (u = 2^-8) and fp16 (2^-11); 64u for fp32 (2^-23), whose
 # error is dominated by summation order over the batch (measured on CPU, load 9.9: fp32
@@ -49,10 +51,6 @@ TOLERANCE = {"fp32": 64 * 2.0**-23, "bf16": 8 * 2.0**-8, "fp16": 8 * 2.0**-11}
 SIGN_AGREEMENT = {"fp32": 0.999, "bf16": 0.9, "fp16": 0.97}
 CHECKS = ("trainer", "ranks", "train", "fp8_gemm", "ray", "reload", "colocated", "probe")
 TRAIN_STEPS = 4  # the CUDA run's updates; it checkpoints at 2 and resumes from there to 4
-
-
-class Skip(Exception):
-    """This check cannot run on this machine (the message says why)."""
 
 
 def synthetic_batch(vocab: int, cand_kind: str, n: int, seed: int) -> tuple[list[Any], list[float]]:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mixrl.lab.gpu.check import Skip
+from mixrl.lab.gpu import Skip
 
 FP8 = {"cuda": "h100-vllm-fp8", "cpu": "cpu-vllm-fp8"}
 BF16 = {"cuda": "h100-vllm-bf16", "cpu": "cpu-vllm-bf16"}

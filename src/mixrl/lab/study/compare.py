@@ -46,6 +46,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from mixrl.lab.study.settings import default_config_path, saved_config, study_table  # noqa: F401 - compare's settings
 from mixrl.lab.study.studyrun import finished, side_file  # noqa: F401  (the run layout, re-exported)
 
 ARMS = ("grpo", "grpo+mis", "sc", "grpo+top-p", "sc+mis", "sc+mis+top-p", "on-policy", "fp16")
@@ -76,10 +77,6 @@ BUDGETS: dict[str, dict[str, object]] = {
     "real": {"arms": ("grpo", "sc", "on-policy"), "fleets": ("mixed",), "modes": ("sync",),
              "seeds": 3, "steps": 10, "eval_tasks": 48, "eval_n": 16},
 }
-
-
-def default_config_path() -> Path:
-    return Path(__file__).resolve().parent.parent / "configs" / "compare.toml"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -119,21 +116,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
       help="start no run after MIN minutes (the study continues with --resume)")
     a("--dry-run", action="store_true", help="write the run configs, run nothing")
     a("--no-report", action="store_true", help="skip the report at the end")
-
-
-def study_table(path: Path | None) -> dict[str, Any]:
-    """The config's ``[study]`` table over the bundled compare.toml's: a run config of yours
-    (e.g. ``examples/real_model/config.toml``) needs no ``[study]`` of its own, and each of its
-    sub-tables (``real``, ``fp32``, ``monitor``) replaces the bundled one whole."""
-
-    def read(p: Path) -> dict[str, Any]:
-        try:
-            return dict(tomllib.loads(p.read_text()).get("study", {}))
-        except (OSError, tomllib.TOMLDecodeError):
-            return {}
-
-    bundled = read(default_config_path())
-    return bundled if path is None else {**bundled, **read(Path(path))}
 
 
 def settings(args: argparse.Namespace) -> dict[str, object]:
@@ -419,12 +401,3 @@ def tables(out: Path, config: Path | None) -> int:
         print(f"mixrl compare: no data files under {out / 'data'} and no runs under {out}", flush=True)
         return 2
     return report.main(argparse.Namespace(dir=out, k=None), study)
-
-
-def saved_config(out: Path) -> Path | None:
-    """The config a study in ``out`` was started with (``OUT/study.json``), if any."""
-    try:
-        c = json.loads((Path(out) / "study.json").read_text())["args"].get("config")
-    except (OSError, KeyError, json.JSONDecodeError):
-        return None
-    return Path(c) if c else None

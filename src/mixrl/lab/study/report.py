@@ -292,7 +292,7 @@ def main(args: argparse.Namespace, study: dict[str, Any] | None = None) -> int:
     default the one of the config a study in DIR was started with."""
     dir_ = Path(args.dir)
     if study is None:
-        from mixrl.lab.study.compare import saved_config, study_table
+        from mixrl.lab.study.settings import saved_config, study_table
 
         study = study_table(saved_config(dir_))
     if not dir_.is_dir():

@@ -32,7 +32,7 @@ from mixrl.lab.study.stats import passk_matrix
 from mixrl.lab.study.studyplots import collapse_steps, pick_key, plot_study
 from mixrl.records import keys as K
 
-ARTIFACTS = Path(__file__).resolve().parents[3] / "docs" / "artifacts"
+ARTIFACTS = Path(__file__).resolve().parents[4] / "docs" / "artifacts"
 PROBES = {"real": ARTIFACTS / "probe_real.json", "toy": ARTIFACTS / "probe.json"}
 
 

@@ -50,7 +50,6 @@ from mixrl.sampling.builtin.running import Running
 from mixrl.system.memory import release_freed_memory
 
 _MASK64 = (1 << 64) - 1
-SUPPORT_BUFFER_BYTES = 256 << 20  # above this, whole-vocabulary supports are listed step by step
 
 
 def request_seed(engine_seed: int, index: int) -> int:

@@ -44,11 +44,11 @@ from mixrl.records.generation import FinishReason, GenerationRequest, Generation
 from mixrl.sampling.builtin import prefix_cache
 from mixrl.sampling.builtin.sample import draw, sampling_logprobs
 
+SUPPORT_BUFFER_BYTES = 256 << 20  # above this, whole-vocabulary supports are listed step by step
+
 
 def support_buffer_bytes() -> int:
-    from mixrl.sampling.builtin import engine
-
-    return engine.SUPPORT_BUFFER_BYTES
+    return SUPPORT_BUFFER_BYTES
 
 
 class _Row:
