@@ -45,16 +45,17 @@ from typing import Any
 
 from mixrl.envs.base import Env, StepResult
 from mixrl.envs.family import Family
+from mixrl.envs.plugins import load_attr
 from mixrl.records.generation import GenerationRequest, GenerationResult, SamplingParams
 from mixrl.records.task import Task
 from mixrl.records.trajectory import Trajectory
+from mixrl.serve.endpoint import InRunEndpoint
 
 PREFIX = "openai_agent:"
 
 
 def load_agent(spec: str) -> Callable[..., Any]:
     """``path/to/agent.py:fn`` or ``package.module:fn`` -> the function (ValueError naming what is wrong)."""
-    from mixrl.envs.plugins import load_attr
 
     fn = load_attr(spec, what=f"env.name {PREFIX + spec!r}")
     if len(inspect.signature(fn).parameters) < 2:
@@ -97,7 +98,6 @@ class EndpointEnv(Env):
     async def run_episode(self, generate: Callable[[GenerationRequest], Any], params: SamplingParams, *,
                           prompt_id: str, sample_idx: int, max_total_tokens: int,
                           resume: Trajectory | None = None) -> Trajectory:
-        from mixrl.serve.endpoint import InRunEndpoint
 
         ep = await InRunEndpoint.get(self.chat, max_total_tokens=max_total_tokens, record=params.record,
                                      model=self.model, max_body=self.max_body)

@@ -29,6 +29,7 @@ import abc
 from dataclasses import dataclass, field
 from typing import Any
 
+from mixrl.envs.rewards import RewardFailed
 from mixrl.records.task import Task
 
 
@@ -139,7 +140,6 @@ class MessageEnv(Env):
 
     async def step(self, generated: list[int], finish_reason: str) -> StepResult:
         """Decode one generated turn, answer it (``respond``) and return the tokens to append, or the end."""
-        from mixrl.envs.rewards import RewardFailed
 
         close = [] if generated and generated[-1] in self.chat.stop_ids else [self.chat.end_of_turn_id]
         text = self.chat.reply_text(generated)

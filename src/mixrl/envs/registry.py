@@ -44,6 +44,7 @@ from typing import Any
 from mixrl.envs import calc, dataset, reverse, upper
 from mixrl.envs.base import Env
 from mixrl.envs.family import ACTIVE, Active, Family
+from mixrl.envs.rewards import Rewards
 from mixrl.models.chat import ChatFormat
 from mixrl.records.task import Task
 
@@ -175,7 +176,6 @@ def activate(cfg: Any) -> Active:
 
     Raises ``ValueError`` / ``DataError`` / ``RewardError`` (user errors, one line).
     """
-    from mixrl.envs.rewards import Rewards
 
     has_data = cfg.data.train is not None
     check_env(cfg.env.name, dict(cfg.env.options), has_data)

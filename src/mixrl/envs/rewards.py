@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mixrl.envs.plugins import load_attr
+
 log = logging.getLogger("mixrl.reward")
 _VERL = ("solution_str", "ground_truth")
 
@@ -45,7 +47,6 @@ class RewardFailed(Exception):
 
 def load_function(spec: str) -> Callable[..., Any]:
     """``"path/to/file.py:name"`` or ``"package.module:name"`` -> the callable."""
-    from mixrl.envs.plugins import load_attr
 
     return load_attr(spec, what=f"reward function {spec!r}", error=RewardError)  # type: ignore[no-any-return]
 

@@ -25,7 +25,9 @@ import os
 import random
 from typing import Any
 
+from mixrl.envs import family as registry
 from mixrl.envs.agent import EndpointEnv
+from mixrl.envs.plugins import load_module
 from mixrl.records.task import Task
 
 PREFIX = "verifiers:"
@@ -33,7 +35,6 @@ KEY_VAR = "MIXRL_ENDPOINT_API_KEY"  # verifiers reads the key from an environmen
 
 
 def _module(spec: str) -> Any:
-    from mixrl.envs.plugins import load_module
 
     return load_module(spec, what=f"env.name {PREFIX + spec!r}")
 
@@ -93,7 +94,6 @@ class VerifiersEnv(EndpointEnv):
 
 def family(name: str) -> Any:
     """The registry's family for ``env.name = "verifiers:SPEC"``: tasks are the environment's rows."""
-    from mixrl.envs import family as registry
 
     spec = name[len(PREFIX):]
     if not spec:

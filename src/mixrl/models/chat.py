@@ -41,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from mixrl.models.codec import Codec
+from mixrl.models.untrusted import encode_untrusted
 
 SENTINEL = "\ue000{}\ue001"  # private-use characters: no template or text contains them
 FILLER_USER, FILLER_REPLY = "\ue002", "\ue003"
@@ -126,7 +127,6 @@ class ChatFormat:
     def _wrap(self, key: Any, render: Any, content: str) -> list[int]:
         """Frame ids around ``content`` (encoded untrusted). The frame is rendered once per
         ``key``: templates write a turn's content verbatim, so its frame does not depend on it."""
-        from mixrl.models.untrusted import encode_untrusted
 
         frame = self._frames.get(key)
         if frame is None:

@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.config import ConfigError
+from mixrl.models.chat import ChatFormat
+from mixrl.models.gguf import is_gguf_spec, resolve_gguf
 from mixrl.models.shipped import BUNDLED, bundled_policy_path
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -49,7 +51,6 @@ def resolve_model(spec: str | Path) -> Path:
             return bundled_policy_path()
         except FileNotFoundError as e:
             raise ConfigError(f"model.path = 'bundled': {e}") from None
-    from mixrl.models.gguf import is_gguf_spec, resolve_gguf
 
     if is_gguf_spec(spec):
         return resolve_gguf(spec)
@@ -157,7 +158,6 @@ def check_model(spec: str | Path, chat_template: str | Path | None = None) -> Pa
     if not getattr(tok, "chat_template", None):
         raise ConfigError(f"{where}: the tokenizer has no chat template; give one with "
                           "--set model.chat_template=PATH (a Jinja file)")
-    from mixrl.models.chat import ChatFormat
 
     try:
         ChatFormat(tok)

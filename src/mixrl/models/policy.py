@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mixrl.models.loading import resolve_model
 from mixrl.models.shipped import BUNDLED
 
 
@@ -65,7 +66,6 @@ def tiny_config(vocab_size: int, **overrides: Any) -> Any:
 def resolve(path_or_bundled: str | Path) -> Path:
     """``"bundled"`` -> the bundled policy's directory; a local HF directory; or a hub id
     found in the local HF cache (``mixrl.models.loading.resolve_model``; raises ``ConfigError``)."""
-    from mixrl.models.loading import resolve_model
 
     return resolve_model(path_or_bundled)
 

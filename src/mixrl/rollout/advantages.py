@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from mixrl.corrections import grpo_advantages
 from mixrl.records.trajectory import UNREWARDED, Trajectory
 
 
@@ -51,7 +52,6 @@ def batch_advantages(
     """(trajectories for the trainer, their advantages, metrics); see the module doc."""
     import torch
 
-    from mixrl.corrections import grpo_advantages
 
     trajs = [t for g in groups for t in g]
     index = [i for i, g in enumerate(groups) for _ in g]

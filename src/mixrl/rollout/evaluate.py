@@ -34,6 +34,16 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from mixrl.envs.registry import make_env, make_task_source
+from mixrl.models.chat import ChatFormat
+from mixrl.models.policy import resolve
+from mixrl.records.generation import SamplingParams
+from mixrl.records.trajectory import UNREWARDED
+from mixrl.rollout.passk import mean_pass_at_k
+from mixrl.rollout.session import run_episode
+from mixrl.sampling.batching import BatchingSampler
+from mixrl.sampling.factory import make_engine
+
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16"}
 log = logging.getLogger(__name__)
 
@@ -55,7 +65,6 @@ def _tokenizer_for(path: Path) -> Any:
 
 def _chat_format(path: Path, chat_template: str | None) -> Any:
     """The checkpoint's chat format; ``chat_template`` (a Jinja file) replaces the tokenizer's own."""
-    from mixrl.models.chat import ChatFormat
 
     tok = _tokenizer_for(path)
     if chat_template:
@@ -94,8 +103,6 @@ def summarize(by_task: dict[str, list[Any]], k: int) -> dict[str, Any]:
     are dropped from a task's n; tasks with fewer than k valid samples are left out
     of pass@k (``tasks_incomplete``).
     """
-    from mixrl.records.trajectory import UNREWARDED
-    from mixrl.rollout.passk import mean_pass_at_k
 
     counts, incomplete, per_task = [], 0, {}
     for task_id, trs in by_task.items():
@@ -124,7 +131,6 @@ def summarize(by_task: dict[str, list[Any]], k: int) -> dict[str, Any]:
 def results(trajs: list[Any], family: dict[str, str], k: int) -> dict[str, Any]:
     """``summarize`` of all trajectories, the reasons of unrewarded samples, and ``per_family``
     (``family``: prompt id -> task family)."""
-    from mixrl.records.trajectory import UNREWARDED
 
     by_task: dict[str, list[Any]] = defaultdict(list)
     for tr in trajs:
@@ -170,12 +176,6 @@ def evaluate(
     ``env_options`` go to ``make_env`` (they override ``max_turns``);
     ``chat_template`` (a Jinja file) replaces the tokenizer's own.
     """
-    from mixrl.envs.registry import make_env, make_task_source
-    from mixrl.models.policy import resolve
-    from mixrl.records.generation import SamplingParams
-    from mixrl.rollout.session import run_episode
-    from mixrl.sampling.batching import BatchingSampler
-    from mixrl.sampling.factory import make_engine
 
     n = k if n is None else n
     if k < 1 or n < k:

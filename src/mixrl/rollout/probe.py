@@ -36,6 +36,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mixrl.corrections.metrics import mismatch_metrics
+from mixrl.corrections.types import LossInputs
+from mixrl.models.policy import resolve
+from mixrl.records.generation import GenerationRequest, SamplingParams
+from mixrl.sampling.builtin.engine import request_seed
+from mixrl.sampling.factory import make_engine
+from mixrl.sampling.profiles import get_profile, load_profiles, with_overrides
+
 METRICS = (
     "mismatch/kl_k1",
     "mismatch/kl_k3",
@@ -116,7 +124,6 @@ def skip_reason(profile: Any, model_path: str | Path) -> str | None:
 
 def select_profiles(args: argparse.Namespace) -> list[Any]:
     """Profiles named by ``--profiles`` (all when empty), with the overrides applied."""
-    from mixrl.sampling.profiles import get_profile, load_profiles, with_overrides
 
     extra, names = args.profiles_file, args.profiles
     if names.strip():
@@ -244,8 +251,6 @@ def metrics_of(scored: dict[str, Any]) -> dict[str, float]:
     """§10 mismatch metrics of one profile, plus max |log ratio| and the token count."""
     import torch
 
-    from mixrl.corrections.metrics import mismatch_metrics
-    from mixrl.corrections.types import LossInputs
 
     n = int(scored["logp"].shape[0])
     inputs = LossInputs(
@@ -269,8 +274,6 @@ def probe(args: argparse.Namespace, skipped: dict[str, str] | None = None) -> di
     import torch
     from transformers import AutoModelForCausalLM
 
-    from mixrl.models.policy import resolve
-    from mixrl.sampling.factory import make_engine
 
     _positive(args)
     if args.threads:
@@ -306,8 +309,6 @@ def probe(args: argparse.Namespace, skipped: dict[str, str] | None = None) -> di
 def _probe_one(engine: Any, prof: Any, trainer: Any, prompts: Any, stops: Any,
                args: argparse.Namespace) -> dict[str, Any]:
     """One profile's row: generate with ``engine``, score against ``trainer``."""
-    from mixrl.records.generation import GenerationRequest, SamplingParams
-    from mixrl.sampling.builtin.engine import request_seed
 
     reqs = [
         GenerationRequest(p, SamplingParams(

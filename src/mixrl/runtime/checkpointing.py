@@ -25,7 +25,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from mixrl.records.trajectory import Trajectory
 from mixrl.runtime.sessions import task_from_dict
+from mixrl.train.checkpoint import load_latest, save_checkpoint
+from mixrl.train.export import write_hf_dir
 
 # ``orch`` below is the run's Orchestrator, which calls these two functions (typed ``Any``: this
 # module is below it and does not import it).
@@ -34,8 +37,6 @@ FORMAT = 1
 
 
 async def save(orch: Any) -> Path | None:
-    from mixrl.train.checkpoint import save_checkpoint
-    from mixrl.train.export import write_hf_dir
 
     trainer = await orch.trainer.state()
     # -- from here on, no await until the payload is complete: one consistent instant
@@ -65,7 +66,6 @@ async def save(orch: Any) -> Path | None:
 
 def load(run_dir: str | Path) -> dict[str, Any] | None:
     """The newest complete checkpoint of ``run_dir`` (None if there is none)."""
-    from mixrl.train.checkpoint import load_latest
 
     got = load_latest(Path(run_dir))
     if got is None:
@@ -79,7 +79,6 @@ def load(run_dir: str | Path) -> dict[str, Any] | None:
 
 def restore(orch: Any, payload: dict[str, Any]) -> None:
     """Restore everything but the trainer (restored first, in ``setup``) and restart sessions."""
-    from mixrl.records.trajectory import Trajectory
 
     orch.step = int(payload["step"])
     orch.task_source.load_state_dict(payload["task_source"])

@@ -39,18 +39,23 @@ from collections.abc import Mapping
 from typing import Any
 
 from mixrl.config import Derived, RunConfig
+from mixrl.config.presets import needs
+from mixrl.envs.registry import make_env, make_task_source
 from mixrl.fleet.autoscaler import Autoscaler
 from mixrl.fleet.cost import CostModel
 from mixrl.fleet.fleet import Fleet, GroupSpec
+from mixrl.models.chat import ChatFormat
 from mixrl.records.generation import SamplingParams
 from mixrl.records.task import Task
 from mixrl.rollout.advantages import batch_advantages
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.runtime import episodes
+from mixrl.runtime.checkpointing import save
 from mixrl.runtime.cpu import LoopCPU
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.runtime.ranks import RankFailure
 from mixrl.runtime.sessions import Sessions, task_from_dict
+from mixrl.runtime.trainer_state import generation_budget
 from mixrl.telemetry.monitor import CollapseMonitor
 from mixrl.weights.store import WeightStore
 
@@ -122,8 +127,6 @@ class Orchestrator:
 
     # ------------------------------------------------------------------ setup
     async def setup(self) -> None:
-        from mixrl.envs.registry import make_env, make_task_source
-        from mixrl.models.chat import ChatFormat
 
         cfg = self.cfg
         self.trainer = await self.backend.make_trainer()
@@ -325,7 +328,6 @@ class Orchestrator:
             self.progress.update(self.step, m, elapsed)
 
     async def checkpoint(self) -> None:
-        from mixrl.runtime.checkpointing import save
 
         if await save(self) is not None:
             self.checkpointed = self.step
@@ -361,8 +363,6 @@ def _screening(model_path: str, loss_cfg: Any, cfg: RunConfig) -> dict[str, Any]
     """Keywords of ``rollout.advantages.batch_advantages`` for this run."""
     from transformers import AutoConfig
 
-    from mixrl.config.presets import needs
-    from mixrl.runtime.trainer_state import generation_budget
 
     vocab = int(AutoConfig.from_pretrained(model_path).vocab_size)
     return {"vocab_size": vocab, "cand_kind": needs(loss_cfg).cand_kind,

@@ -30,7 +30,10 @@ from typing import Any
 
 from mixrl.config import RunConfig
 from mixrl.records.trajectory import Trajectory
+from mixrl.runtime.gpu import placement_of, require_cuda
 from mixrl.runtime.handles import TrainerHandle
+from mixrl.runtime.trainer_state import build_trainer, load_trainer_state, trainer_state
+from mixrl.train.distributed import RankTrainer, free_port, init_rank, setup_threads
 
 
 def rank_device(rank: int, use_gpu: bool) -> str:
@@ -40,7 +43,6 @@ def rank_device(rank: int, use_gpu: bool) -> str:
         return "cpu"
     import torch
 
-    from mixrl.runtime.gpu import require_cuda
 
     require_cuda("trainer.num_gpus > 0")
     return f"cuda:{rank % torch.cuda.device_count()}"
@@ -55,8 +57,6 @@ class RankWorker:
 
     def __init__(self, rank: int, world: int, addr: str, port: int, cfg: dict[str, Any],
                  model_path: str, loss_cfg: Any) -> None:
-        from mixrl.runtime.trainer_state import build_trainer
-        from mixrl.train.distributed import RankTrainer, init_rank, setup_threads
 
         run = RunConfig.model_validate(cfg)
         setup_threads(run.runtime.torch_threads)
@@ -77,12 +77,10 @@ class RankWorker:
         return self.trainer.state_dict_for_samplers()  # rank 0: the full state; others: {}
 
     def state(self) -> dict[str, Any]:
-        from mixrl.runtime.trainer_state import trainer_state
 
         return trainer_state(self.trainer)
 
     def load_state(self, state: dict[str, Any]) -> None:
-        from mixrl.runtime.trainer_state import load_trainer_state
 
         load_trainer_state(self.trainer, state)
 
@@ -94,7 +92,6 @@ class RankWorker:
 
     def where(self) -> dict[str, Any]:
         """This rank's device as its parameters and CUDA's allocator show it."""
-        from mixrl.runtime.gpu import placement_of
 
         return placement_of(self.trainer)
 
@@ -132,7 +129,6 @@ class LocalRanks(TrainerHandle):
         """``publish`` turns rank 0's gathered state dict into what the weight store holds."""
         import torch.multiprocessing as mp
 
-        from mixrl.train.distributed import free_port
 
         self.world = cfg.trainer.world_size
         ctx = mp.get_context("spawn")

@@ -20,17 +20,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-from mixrl.config import Derived, RunConfig, derive, to_toml
+from mixrl.config import ConfigError, Derived, RunConfig, derive, format_errors, to_toml
+from mixrl.config.loss import LossConfig
+from mixrl.config.presets import check_run, get_preset
+from mixrl.envs.registry import activate
+from mixrl.models.loading import check_model, load_tokenizer
+from mixrl.rollout.evaluate import evaluate
+from mixrl.runtime.backends.embedded import EmbeddedBackend
+from mixrl.runtime.checkpointing import load
+from mixrl.runtime.episodes import reply_spans
+from mixrl.runtime.inputs import check_unchanged, describe_inputs
+from mixrl.runtime.orchestrator import Orchestrator
+from mixrl.runtime.progress import ProgressBar
+from mixrl.sampling.profiles import get_profile, with_overrides
+from mixrl.sampling.support import check_fleet
 from mixrl.system.heap import settled_heap
+from mixrl.system.quiet import quiet_loaded, silence_libraries
+from mixrl.telemetry.sinks import Sinks
 
 
 def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
     """The loss config (preset + overrides) and the derived sampling values."""
     from pydantic import ValidationError
 
-    from mixrl.config import ConfigError, format_errors
-    from mixrl.config.loss import LossConfig
-    from mixrl.config.presets import check_run, get_preset
 
     try:
         preset = get_preset(cfg.loss.preset)
@@ -55,8 +67,6 @@ def resolve_loss(cfg: RunConfig) -> tuple[Any, Derived]:
 
 def group_profiles(cfg: RunConfig) -> dict[str, Any]:
     """Each fleet group's precision profile with its overrides applied; a bad one is a ``ConfigError``."""
-    from mixrl.config import ConfigError
-    from mixrl.sampling.profiles import get_profile, with_overrides
 
     out = {}
     for i, g in enumerate(cfg.fleet.groups):
@@ -77,7 +87,6 @@ def make_backend(cfg: RunConfig, model_path: str, loss_cfg: Any) -> Any:
         from mixrl.runtime.backends.ray_backend import RayBackend
 
         return RayBackend(cfg, model_path, loss_cfg)
-    from mixrl.runtime.backends.embedded import EmbeddedBackend
 
     return EmbeddedBackend(cfg, model_path, loss_cfg)
 
@@ -86,7 +95,6 @@ class _RunSinks:
     """metrics.jsonl + TensorBoard (+ W&B / trackio) + collapse events + sample episodes."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, tokenizer: Any = None):
-        from mixrl.telemetry.sinks import Sinks
 
         o = cfg.observe
         self._s = Sinks(run_dir, o.tensorboard, wandb=o.wandb, trackio=o.trackio, config=cfg.model_dump(mode="json"))
@@ -138,7 +146,6 @@ def episode_record(step: int, t: Any, tokenizer: Any) -> dict[str, Any]:
 
 def _replies(t: Any, dec: Any) -> list[dict[str, Any]]:
     """Per assistant reply (one cell per turn in the report's timeline): length, text, group."""
-    from mixrl.runtime.episodes import reply_spans
 
     return [{"tokens": b - a, "text": dec(t.tokens[a:b])[:120], "group": t.groups[a],
              "version": t.versions[a]} for a, b in reply_spans(t)]
@@ -187,11 +194,6 @@ def train(
     """
     import torch
 
-    from mixrl.models.loading import load_tokenizer
-    from mixrl.runtime.checkpointing import load
-    from mixrl.runtime.orchestrator import Orchestrator
-    from mixrl.runtime.progress import ProgressBar
-    from mixrl.system.quiet import quiet_loaded, silence_libraries
 
     silence_libraries()
     torch.set_num_threads(cfg.runtime.torch_threads)
@@ -243,10 +245,6 @@ def train(
 def prepare_run_dir(cfg: RunConfig, run_dir: Path, payload: dict[str, Any] | None) -> tuple[str, Any, Derived]:
     """Check the model, fleet and (on resume) the inputs, then write the run directory's
     config files; returns (model path, loss config, derived values)."""
-    from mixrl.envs.registry import activate
-    from mixrl.models.loading import check_model
-    from mixrl.runtime.inputs import check_unchanged, describe_inputs
-    from mixrl.sampling.support import check_fleet
 
     activate(cfg)  # the dataset, reward functions and env options the sources and envs use
     model_path = str(check_model(cfg.model.path, cfg.model.chat_template))  # ConfigError before any run dir
@@ -285,7 +283,6 @@ def conclude(cfg: RunConfig, summary: dict[str, Any], model_path: str, run_dir: 
 
 def run_eval(cfg: RunConfig, base_path: str, final_path: str) -> dict[str, Any]:
     """pass@k on the held-out split, of the starting and the final policy."""
-    from mixrl.rollout.evaluate import evaluate
 
     e = cfg.runtime.eval
     n_tasks = e.n_tasks

@@ -34,7 +34,7 @@ from mixrl.records.generation import GenerationRequest, GenerationResult, Sampli
 from mixrl.records.task import Task
 from mixrl.records.trajectory import Trajectory
 from mixrl.rollout.buffer import RolloutBuffer
-from mixrl.rollout.session import SAMPLER_FAILURES, piece_cut
+from mixrl.rollout.session import SAMPLER_FAILURES, piece_cut, run_episode
 
 
 def request_seed(run_seed: int, request_id: str) -> int:
@@ -95,7 +95,6 @@ class Sessions:
         chunk_tokens: int = 0,
         check: tuple[int, str] | None = None,
     ):
-        from mixrl.rollout.session import run_episode
 
         self._run_episode = run_episode
         self.fleet, self.buffer, self.make_env, self.params = fleet, buffer, make_env, params

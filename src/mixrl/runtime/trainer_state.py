@@ -12,6 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.config import RunConfig
+from mixrl.models.policy import load_policy
+from mixrl.train.checkpoint import capture_rng, restore_rng
+from mixrl.train.schedule import lr_factor
+from mixrl.train.trainer import Trainer
 
 
 def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any, factory: Any = None, **extra: Any) -> tuple[Any, Any]:
@@ -22,8 +26,6 @@ def build_trainer(cfg: RunConfig, model_path: str, loss_cfg: Any, factory: Any =
     """
     import torch
 
-    from mixrl.models.policy import load_policy
-    from mixrl.train.trainer import Trainer
 
     torch.set_num_threads(cfg.runtime.torch_threads)
     torch.manual_seed(cfg.runtime.seed)
@@ -63,7 +65,6 @@ def lr_schedule(cfg: RunConfig) -> Any:
     """``optim.schedule`` as a function of the update index (None: constant lr, no warm-up)."""
     import functools
 
-    from mixrl.train.schedule import lr_factor
 
     o = cfg.optim
     if o.schedule == "constant" and o.warmup_steps == 0:
@@ -95,7 +96,6 @@ def trainer_state(trainer: Any) -> dict[str, Any]:
             "optimizer": trainer.optimizer.state_dict(),
             "version": int(trainer.version),
         }
-    from mixrl.train.checkpoint import capture_rng
 
     # the trainer's own process (a Ray actor, a rank has its own RNGs): CPU, every CUDA device, python, numpy
     state["rng"] = capture_rng()
@@ -112,7 +112,6 @@ def load_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
         trainer.model.load_state_dict(state["model"])
         trainer.optimizer.load_state_dict(state["optimizer"])
         trainer.version = int(state["version"])
-    from mixrl.train.checkpoint import restore_rng
 
     restore_rng(rng)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from mixrl.sampling.base import Engine
+from mixrl.sampling.builtin.fast import applies
 
 
 def make_engine(model_path: str, profile: Any, group: str, **kw: Any) -> Engine:
@@ -53,6 +54,5 @@ def builtin_forward(model_path: str) -> str:
     """``"fast"`` when the fast path applies to the model at ``model_path``, else ``"generic"``."""
     from transformers import AutoConfig
 
-    from mixrl.sampling.builtin.fast import applies
 
     return "fast" if applies(AutoConfig.from_pretrained(model_path)) is None else "generic"

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from mixrl.config import ConfigError
+
 ENGINES = ("builtin", "vllm")
 
 
@@ -86,7 +88,6 @@ def check_fleet(model_path: str, profiles: Any, routing_replay: bool = False) ->
     where vLLM cannot return routed experts is refused, saying why."""
     from transformers import AutoConfig
 
-    from mixrl.config import ConfigError
 
     cfg = AutoConfig.from_pretrained(model_path)
     moe = bool(getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None))

@@ -24,7 +24,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from mixrl.records.generation import GenerationRequest, GenerationResult
+from mixrl.serve.app import MAX_BODY, loopback_socket, make_app, server_options
 from mixrl.serve.core import ApiError, ServeCore
+from mixrl.system.heap import settle_heap
 
 
 class InRunEndpoint:
@@ -51,8 +53,6 @@ class InRunEndpoint:
             return ep
         import uvicorn
 
-        from mixrl.serve.app import MAX_BODY, loopback_socket, make_app, server_options
-        from mixrl.system.heap import settle_heap
 
         routes: dict[str, Any] = {}
 

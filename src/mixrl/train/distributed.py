@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from mixrl.train.lora import export_merged, publishable
 from mixrl.train.parallel import Ranks
 from mixrl.train.trainer import Trainer
 
@@ -134,7 +135,6 @@ class RankTrainer(Trainer):
 
     def state_dict_for_samplers(self) -> dict[str, Tensor]:
         """The full state, gathered (collective); rank 0 gets the tensors, other ranks ``{}``."""
-        from mixrl.train.lora import publishable
 
         return publishable(self.model, self._full())
 
@@ -148,7 +148,6 @@ class RankTrainer(Trainer):
 
     def export(self, out_dir: str, tokenizer: Any) -> None:
         """HF export of the gathered (and, with LoRA, merged) weights; rank 0 writes."""
-        from mixrl.train.lora import export_merged
 
         full = self._full()
         if self.rank == 0:

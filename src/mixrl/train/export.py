@@ -22,6 +22,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mixrl.models.loading import load_tokenizer, resolve_model
+from mixrl.train.checkpoint import list_checkpoints, load_checkpoint
+
 
 class ExportError(ValueError):
     """What the user named cannot be exported."""
@@ -29,7 +32,6 @@ class ExportError(ValueError):
 
 def find_checkpoint(run: str | Path, step: int | None = None) -> Path:
     """The checkpoint directory of ``run`` at ``step`` (the newest when None)."""
-    from mixrl.train.checkpoint import list_checkpoints
 
     run = Path(run)
     if (run / "meta.json").is_file() and step is None:  # RUN is a checkpoint itself
@@ -97,8 +99,6 @@ def write_hf_dir(out: Path, state_dict: dict[str, Any], model_path: str, tokeniz
 
 def _convert(ckpt: Path, tmp: Path) -> None:
     """An older checkpoint (no ``hf/``): trainer state + the run's starting model."""
-    from mixrl.models.loading import load_tokenizer, resolve_model
-    from mixrl.train.checkpoint import load_checkpoint
 
     run_dir = ckpt.parent.parent
     try:

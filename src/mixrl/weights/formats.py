@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from mixrl.sampling.builtin.precision import from_profile
+from mixrl.sampling.profiles import with_overrides
+
 _IDENTITY = {None, "", "none", "fp32", "float32"}
 
 
@@ -38,7 +41,6 @@ def format_key(profile: Any, tied: bool) -> str | None:
 
 def quantizer(profile: Any) -> Any:
     """``(name, tensor) -> quantized fp32 tensor or None`` with the engine's own weight hook."""
-    from mixrl.sampling.builtin.precision import from_profile
 
     prec = from_profile(profile)
     head = bool(getattr(profile, "quantize_lm_head", False))
@@ -56,6 +58,5 @@ def serving_profile(profile: Any, key: str | None) -> Any:
     """The profile a replica's engine runs with when it receives weights already in ``key``."""
     if key is None:
         return profile
-    from mixrl.sampling.profiles import with_overrides
 
     return with_overrides(profile, weight_format="none", quantize_lm_head=False)

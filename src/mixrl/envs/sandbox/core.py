@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from mixrl.envs.sandbox import reaper, seccomp
 from mixrl.envs.sandbox.cgroup import Cgroup, hierarchy
-from mixrl.envs.sandbox.fs import EpisodeFS
+from mixrl.envs.sandbox.fs import FAILURES, EpisodeFS, log
 from mixrl.envs.sandbox.limits import HOST, DiffError, ExecResult, SandboxError, SandboxLimits
 from mixrl.envs.sandbox.pool import POOL
 from mixrl.envs.sandbox.runtime import WORKDIR, bwrap_options, limited, runtime, ulimits
@@ -270,7 +270,6 @@ class Sandbox:
 
 
 def _teardown(cg: Cgroup, fs: EpisodeFS) -> None:
-    from mixrl.envs.sandbox.fs import FAILURES, log
 
     if not cg.kill():
         FAILURES["kill"] += 1

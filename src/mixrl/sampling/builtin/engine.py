@@ -47,6 +47,7 @@ from mixrl.sampling.builtin import fast
 from mixrl.sampling.builtin.precision import from_profile
 from mixrl.sampling.builtin.prefix_cache import PrefixStore
 from mixrl.sampling.builtin.running import Running
+from mixrl.sampling.support import check_builtin
 from mixrl.system.memory import release_freed_memory
 
 _MASK64 = (1 << 64) - 1
@@ -140,7 +141,6 @@ class BuiltinEngine(Engine):
         if forward not in ("auto", "fast", "generic"):
             raise ValueError(f"forward must be 'auto', 'fast' or 'generic', got {forward!r}")
         cfg = AutoConfig.from_pretrained(model_path)
-        from mixrl.sampling.support import check_builtin
 
         check_builtin(cfg)  # an architecture this engine cannot run: one clear error
         why_not = fast.applies(cfg)

@@ -50,7 +50,10 @@ from mixrl.runtime.backends.placement import (
     visible_gpus,
 )
 from mixrl.runtime.handles import Backend, TrainerHandle
+from mixrl.runtime.trainer_state import build_trainer
 from mixrl.weights.formats import format_key, quantizer, serving_profile
+from mixrl.weights.shared import checkpoint_bytes, shm_shortfall
+from mixrl.weights.store import KEEP_VERSIONS
 
 __all__ = ["EmbeddedBackend", "EmbeddedTrainer", "ProcessSampler", "ThreadSampler", "group_profile", "replica_seed"]
 
@@ -58,8 +61,6 @@ __all__ = ["EmbeddedBackend", "EmbeddedTrainer", "ProcessSampler", "ThreadSample
 def check_shm(cfg: RunConfig, model_path: str) -> None:
     """Refuse at start-up, in one line, when /dev/shm cannot hold the weight versions the
     sampler workers map: ``KEEP_VERSIONS`` FP32 copies plus one quantized copy per format."""
-    from mixrl.weights.shared import checkpoint_bytes, shm_shortfall
-    from mixrl.weights.store import KEEP_VERSIONS
 
     formats = {format_key(group_profile(cfg, g.name), False) for g in cfg.fleet.groups} - {None}
     problem = shm_shortfall(checkpoint_bytes(model_path) * (KEEP_VERSIONS + len(formats)))
@@ -95,7 +96,6 @@ class EmbeddedBackend(Backend):
         return self._tied
 
     async def make_trainer(self) -> TrainerHandle:
-        from mixrl.runtime.trainer_state import build_trainer
 
         # FSDP2 ranks, one process each (mixrl.runtime.ranks); a CUDA trainer (num_gpus > 0)
         # is a rank process too, even alone: this process keeps no CUDA context

@@ -36,6 +36,7 @@ from typing import Any
 
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.records.generation import GenerationRequest, GenerationResult
+from mixrl.runtime.backends.embedded import worker
 from mixrl.runtime.backends.embedded.slots import QuantizeSlots
 from mixrl.sampling.base import ReplicaFailure
 from mixrl.system.quiet import install_filters
@@ -94,7 +95,6 @@ class ProcessSampler(SamplerHandle):
         ``BatchingSampler`` keyword arguments (``max_batch``, ``max_wait_ms``, ``idle_ms``);
         ``cuda_visible``: its ``CUDA_VISIBLE_DEVICES`` (None: inherited); ``engine_kw``: more
         engine arguments (``gpu_memory_utilization``)."""
-        from mixrl.runtime.backends.embedded import worker
 
         ctx = mp_context()
         self._loop = asyncio.get_running_loop()

@@ -30,7 +30,9 @@ from mixrl.fleet.handles import SamplerHandle
 from mixrl.records.generation import GenerationRequest, GenerationResult
 from mixrl.records.trajectory import Trajectory
 from mixrl.runtime.handles import TrainerHandle
+from mixrl.runtime.trainer_state import load_trainer_state, save_policy, trainer_state
 from mixrl.sampling.base import ReplicaFailure
+from mixrl.sampling.profiles import get_profile, with_overrides
 from mixrl.weights.shared import SharedVersion, map_manifest
 
 # Loading an HF model swaps global module state (meta-device initialisation), so two
@@ -45,7 +47,6 @@ def locked(fn: Any, *args: Any, **kw: Any) -> Any:
 
 def group_profile(cfg: RunConfig, group: str) -> Any:
     """The group's precision profile with its config overrides applied."""
-    from mixrl.sampling.profiles import get_profile, with_overrides
 
     g = next(x for x in cfg.fleet.groups if x.name == group)
     prof = get_profile(g.profile)
@@ -142,16 +143,13 @@ class EmbeddedTrainer(TrainerHandle):
             return await asyncio.to_thread(publish)
 
     async def state(self) -> dict[str, Any]:
-        from mixrl.runtime.trainer_state import trainer_state
 
         return trainer_state(self.trainer)
 
     async def load_state(self, state: dict[str, Any]) -> None:
-        from mixrl.runtime.trainer_state import load_trainer_state
 
         load_trainer_state(self.trainer, state)
 
     async def save_policy(self, out_dir: str) -> None:
-        from mixrl.runtime.trainer_state import save_policy
 
         await asyncio.to_thread(save_policy, self.trainer, self.tokenizer, out_dir)

@@ -51,7 +51,9 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from mixrl.system.heap import settle_heap
 from mixrl.system.quiet import silence_libraries
+from mixrl.weights.shared import map_manifest, write_tensors
 
 SAMPLER_NICE = 5  # niceness above the parent's (a weight about 3x lower for the kernel's scheduler)
 
@@ -85,7 +87,6 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
         conn.send(("fatal", 0, traceback.format_exc()))
         conn.close()
         return
-    from mixrl.system.heap import settle_heap
 
     settle_heap()  # full collections no longer walk torch's and the engine's start-up heap
     conn.send(("ready", 0, os.getpid()))
@@ -223,7 +224,6 @@ class WorkerServer:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     async def load(self, rid: int, manifest: Any, version: int) -> None:
-        from mixrl.weights.shared import map_manifest
 
         t0 = time.perf_counter()
         try:
@@ -234,7 +234,6 @@ class WorkerServer:
 
     async def quantize_then_load(self, rid: int, base: Any, path: str | None,
                                  then: tuple[int, int] | None = None) -> None:
-        from mixrl.weights.shared import map_manifest
 
         try:
             t0 = time.perf_counter()
@@ -265,7 +264,6 @@ class WorkerServer:
     def quantize_tensors(self, tensors: dict[str, Any], path: str | None) -> tuple[Any, dict[str, Any]]:
         """This format's quantization of one version: (the manifest of the file it wrote,
         or None when ``path`` is None: nothing written; the tensors it changed)."""
-        from mixrl.weights.shared import write_tensors
 
         if self.quantize is None:
             if self.quant_profile is None:
