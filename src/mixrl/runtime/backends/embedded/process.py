@@ -54,7 +54,7 @@ def mp_context() -> Any:
         ctx = mp.get_context("forkserver")
         install_filters()  # TORCH_LOGS before the server imports torch (the environment is inherited)
         ctx.set_forkserver_preload([  # the quieting first: torchao and torch logs for every import after it
-            "mixrl.system.quiet", "torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "mixrl.runtime.backends.embedded.worker",
+            "mixrl.runtime.backends.embedded.preload", "torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "mixrl.runtime.backends.embedded.worker",
             "mixrl.sampling.batching", "mixrl.sampling.factory", "mixrl.sampling.builtin.engine", "mixrl.numerics",
         ])
         return ctx

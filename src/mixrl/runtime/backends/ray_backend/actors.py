@@ -18,6 +18,7 @@ import ray
 from mixrl.config import RunConfig
 from mixrl.records.generation import GenerationRequest, GenerationResult
 from mixrl.records.trajectory import Trajectory
+from mixrl.system.quiet import silence_libraries
 
 # Actors take their resources from their placement-group bundle (``RayBackend``).
 ACTOR_OPTS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
@@ -27,6 +28,7 @@ ACTOR_OPTS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
 class SamplerActor:
     def __init__(self, model_path: str, profile: Any, group: str, seed: int, threads: int,
                  quant_profile: Any = None, engine_kw: dict[str, Any] | None = None) -> None:
+        silence_libraries()  # an actor's process: the libraries it loads stay quiet
         import torch
 
         from mixrl.sampling.batching import BatchingSampler
@@ -87,6 +89,7 @@ class SamplerActor:
 @ray.remote(concurrency_groups={"weights": 8}, **ACTOR_OPTS)  # type: ignore[call-overload]
 class TrainerActor:
     def __init__(self, cfg: dict[str, Any], model_path: str, loss_cfg: Any) -> None:
+        silence_libraries()  # an actor's process: the libraries it loads stay quiet
         from mixrl.runtime.ranks import rank_device
         from mixrl.runtime.trainer_state import build_trainer
 
@@ -167,6 +170,7 @@ class RankActor:
 
     def setup(self, rank: int, world: int, addr: str, port: int, cfg: dict[str, Any], model_path: str,
               loss_cfg: Any) -> None:
+        silence_libraries()  # an actor's process: the libraries it loads stay quiet
         from mixrl.runtime.ranks import RankWorker
 
         self.rank = rank
