@@ -17,6 +17,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mixrl.records.run_dir import RunDir
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     from mixrl.rollout.evaluate import configure as base_configure
@@ -29,7 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _run_config(args: argparse.Namespace) -> Path | None:
     if args.config is not None:
         return Path(args.config)
-    guess = Path(args.checkpoint).resolve().parent / "config.toml"
+    guess = RunDir(Path(args.checkpoint).resolve().parent).config
     return guess if args.checkpoint != "bundled" and guess.exists() else None
 
 

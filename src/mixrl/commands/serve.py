@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.serve.app import BATCHING, loop_runner
+from mixrl.system.seeds import stable_seed
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -97,7 +98,7 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
 
     async def make_replica(group: str, name: str) -> Any:
         prof = next(p for p in profiles if p.name == group)
-        seed = abs(hash(name)) % (1 << 31)
+        seed = stable_seed("serve", name) % (1 << 31)  # the same in every process (never hash())
         if args.workers == "process":  # the engine in its own interpreter: HTTP never waits on its GIL
             from mixrl.runtime.backends.embedded.process import ProcessSampler
 

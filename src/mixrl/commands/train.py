@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.config import resolve_paths
+from mixrl.records.run_dir import RunDir
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
         overrides.append(f'runtime.backend="{args.backend}"')
     path = args.config
     if args.resume:
-        saved = Path(args.resume) / "config.toml"
+        saved = RunDir(args.resume).config
         if not saved.exists():
             return _fail(f"--resume {args.resume}: no run there ({saved} not found)")
         if path is None:

@@ -45,6 +45,7 @@ from mixrl.config.loss import (
     SeqMIS,
     Veto,
 )
+from mixrl.records.generation import parse_record
 
 # candidates of q recorded per token when sampling the full vocabulary (record "head:K")
 HEAD_K = 64
@@ -189,7 +190,7 @@ def check_run(loss: LossConfig, *, preset: str, top_p: float, record: str,
                 else "without support replay every ratio is biased by the log of the kept top-p mass")
         raise ValueError(f"rollout.top_p={top_p} with {arm}: {what}; set rollout.top_p=1.0 "
                          "or use a '+top-p' preset (support replay)")
-    rec_kind = "head" if record.startswith("head:") else record
+    rec_kind = record if record == "auto" else parse_record(record)[0]
     if n.cand_kind != "none" and rec_kind != n.cand_kind:
         want = "'support'" if n.cand_kind == "support" else "'head:K' (or 'auto')"
         raise ValueError(f"rollout.record={record!r} with {arm}: the loss needs the {n.cand_kind} of q "

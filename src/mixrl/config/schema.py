@@ -30,6 +30,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from mixrl.config.presets import HEAD_K
+from mixrl.records.generation import parse_record
 
 
 class _Section(BaseModel):
@@ -87,9 +88,13 @@ class RolloutConfig(_Section):
     @field_validator("record")
     @classmethod
     def _record(cls, v: str) -> str:
-        if v in ("auto", "support", "none") or (v.startswith("head:") and v[5:].isdigit() and int(v[5:]) > 0):
+        if v == "auto":
             return v
-        raise ValueError(f"must be 'auto', 'support', 'none' or 'head:K' with K > 0, got {v!r}")
+        try:
+            parse_record(v)
+        except ValueError:
+            raise ValueError(f"must be 'auto', 'support', 'none' or 'head:K' with K > 0, got {v!r}") from None
+        return v
 
 
 class GroupConfig(_Section):

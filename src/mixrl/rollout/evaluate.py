@@ -43,6 +43,7 @@ from mixrl.rollout.passk import mean_pass_at_k
 from mixrl.rollout.session import run_episode
 from mixrl.sampling.batching import BatchingSampler
 from mixrl.sampling.factory import make_engine
+from mixrl.system.seeds import stable_seed
 
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16"}
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ def weights_digest(path: Path) -> str | None:
 
 def request_seed(seed: int, request_id: str) -> int:
     """A 63-bit sampling seed from the evaluation seed and ``prompt_id/sample/turn``."""
-    return int.from_bytes(hashlib.sha256(f"eval/{seed}/{request_id}".encode()).digest()[:8], "big") >> 1
+    return stable_seed("eval", seed, request_id)
 
 
 def summarize(by_task: dict[str, list[Any]], k: int) -> dict[str, Any]:

@@ -18,6 +18,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mixrl.records.run_dir import RunDir
+
 FULL_HASH_LIMIT = 256 << 20
 
 
@@ -70,7 +72,7 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def check_unchanged(run_dir: Path, inputs: dict[str, Any]) -> None:
-    saved = run_dir / "inputs.json"
+    saved = RunDir(run_dir).inputs
     if not saved.exists():
         return  # a run from before inputs.json existed: nothing to compare
     diff = changes(json.loads(saved.read_text()), inputs)

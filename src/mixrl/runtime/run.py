@@ -25,6 +25,7 @@ from mixrl.config.loss import LossConfig
 from mixrl.config.presets import check_run, get_preset
 from mixrl.envs.registry import activate
 from mixrl.models.loading import check_model, load_tokenizer
+from mixrl.records.run_dir import RunDir
 from mixrl.rollout.evaluate import evaluate
 from mixrl.runtime.backends.embedded import EmbeddedBackend
 from mixrl.runtime.checkpointing import load
@@ -34,6 +35,7 @@ from mixrl.runtime.orchestrator import Orchestrator
 from mixrl.runtime.progress import ProgressBar
 from mixrl.sampling.profiles import get_profile, with_overrides
 from mixrl.sampling.support import check_fleet
+from mixrl.system.files import atomic_write, atomic_write_json
 from mixrl.system.heap import settled_heap
 from mixrl.system.quiet import quiet_loaded, silence_libraries
 from mixrl.telemetry.sinks import Sinks
@@ -98,8 +100,8 @@ class _RunSinks:
 
         o = cfg.observe
         self._s = Sinks(run_dir, o.tensorboard, wandb=o.wandb, trackio=o.trackio, config=cfg.model_dump(mode="json"))
-        self._events = run_dir / "collapse.jsonl"
-        self._batches = open(run_dir / "batches.jsonl", "a", buffering=1)  # noqa: SIM115
+        self._events = RunDir(run_dir).collapse
+        self._batches = open(RunDir(run_dir).batches, "a", buffering=1)  # noqa: SIM115
         self._episodes = run_dir / "episodes.jsonl"
         self._tok, self._steps = tokenizer, cfg.runtime.steps
 
@@ -155,7 +157,7 @@ def start_log(run_dir: Path) -> Path:
     """Route the ``mixrl`` loggers (and warnings) to ``run_dir/run.log``."""
     import logging
 
-    path = run_dir / "run.log"
+    path = RunDir(run_dir).log
     root = logging.getLogger("mixrl")
     for h in list(root.handlers):
         if getattr(h, "_mixrl_run_log", False):
@@ -175,9 +177,7 @@ def _truncate_jsonl(path: Path, last_step: int) -> None:
     if not path.exists():
         return
     keep = [ln for ln in path.read_text().splitlines() if ln.strip() and json.loads(ln)["step"] <= last_step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(x + "\n" for x in keep))
-    tmp.replace(path)
+    atomic_write(path, "".join(x + "\n" for x in keep))
 
 
 def train(
@@ -256,12 +256,12 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, payload: dict[str, Any] | Non
     run_dir.mkdir(parents=True, exist_ok=True)
     start_log(run_dir)
     if payload is not None:
-        for name in ("metrics.jsonl", "batches.jsonl"):
-            _truncate_jsonl(run_dir / name, int(payload["step"]))
+        for path in (RunDir(run_dir).metrics, RunDir(run_dir).batches):
+            _truncate_jsonl(path, int(payload["step"]))
     loss_cfg, derived = resolve_loss(cfg)
-    (run_dir / "config.toml").write_text(to_toml(cfg) + "\n")
-    (run_dir / "derived.json").write_text(json.dumps({**derived.__dict__, "model_path": model_path}, indent=2) + "\n")
-    (run_dir / "inputs.json").write_text(json.dumps(inputs, indent=2) + "\n")
+    RunDir(run_dir).config.write_text(to_toml(cfg) + "\n")
+    atomic_write_json(RunDir(run_dir).derived, {**derived.__dict__, "model_path": model_path}, indent=2)
+    atomic_write_json(RunDir(run_dir).inputs, inputs, indent=2)
     return model_path, loss_cfg, derived
 
 
@@ -274,8 +274,8 @@ def conclude(cfg: RunConfig, summary: dict[str, Any], model_path: str, run_dir: 
         summary["eval_skipped"] = "no held-out data (set data.heldout or data.heldout_fraction)"
     if do_eval and not summary["interrupted"]:
         summary["eval"] = run_eval(cfg, model_path, str(run_dir / "policy"))
-        (run_dir / "eval.json").write_text(json.dumps(summary["eval"], indent=2) + "\n")
-    (run_dir / "summary.json").write_text(
+        atomic_write_json(RunDir(run_dir).eval, summary["eval"], indent=2)
+    RunDir(run_dir).summary.write_text(
         json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2, default=float) + "\n"
     )
     return summary

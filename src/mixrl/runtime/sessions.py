@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -35,10 +34,12 @@ from mixrl.records.task import Task
 from mixrl.records.trajectory import Trajectory
 from mixrl.rollout.buffer import RolloutBuffer
 from mixrl.rollout.session import SAMPLER_FAILURES, piece_cut, run_episode
+from mixrl.system.seeds import stable_seed
 
 
 def request_seed(run_seed: int, request_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(f"{run_seed}|{request_id}".encode(), digest_size=8).digest(), "big") >> 1
+    """A training request's sampling seed (``system.seeds.stable_seed`` of the run seed and request id)."""
+    return stable_seed(run_seed, request_id)
 
 
 def task_to_dict(task: Task) -> dict[str, Any]:

@@ -25,6 +25,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from mixrl.records.run_dir import RunDir
+
 PER_GROUP = (
     "mismatch/kl_k1",
     "mismatch/kl_k3",
@@ -160,7 +162,7 @@ class Sinks:
     def __init__(self, run_dir: str | Path, tensorboard: bool = True, *, wandb: Mapping[str, Any] | None = None,
                  trackio: Mapping[str, Any] | None = None, config: Mapping[str, Any] | None = None):
         run_dir = Path(run_dir)
-        self.sinks: list[Any] = [JsonlSink(run_dir / "metrics.jsonl")]
+        self.sinks: list[Any] = [JsonlSink(RunDir(run_dir).metrics)]
         if tensorboard:
             self.sinks.append(TensorBoardSink(run_dir / "tb"))
         if wandb is not None:

@@ -44,6 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from mixrl.records.run_dir import RunDir
+from mixrl.system.files import atomic_write
+
 _NAME = re.compile(r"^[A-Za-z0-9_-]+$")
 _STEP = re.compile(r"^step_(\d{6,})$")
 RESERVED = ("meta", "rng")
@@ -142,12 +145,12 @@ def save_checkpoint(
     for name, v in payload.items():
         if kinds[name] == "pt":
             _check_plain(v, name)  # fail now, not at resume time
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):  # left by a crashed writer
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-step_{step:06d}-", dir=root))
-    final = root / f"step_{step:06d}"
+    final = RunDir(run_dir).checkpoint(step)
     try:
         parts = {}
         for name, value in {**payload, "rng": capture_rng()}.items():
@@ -169,11 +172,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    pointer = root / ".latest.tmp"
-    pointer.write_text(final.name + "\n")
-    with open(pointer, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(pointer, root / "latest")
+    atomic_write(root / "latest", final.name + "\n")
     _fsync_dir(root)
     for old_dir in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old_dir, ignore_errors=True)
@@ -184,7 +183,7 @@ def save_checkpoint(
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoint directories, oldest first."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / "meta.json").is_file()]
@@ -207,7 +206,7 @@ def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") 
 
 def load_latest(run_dir: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any] | None:
     """The newest complete checkpoint of ``run_dir`` (see module doc), or None if there is none."""
-    root = Path(run_dir) / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     pointer = root / "latest"
     if pointer.is_file():
         target = root / pointer.read_text().strip()

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.models.loading import load_tokenizer, resolve_model
+from mixrl.records.run_dir import RunDir
 from mixrl.train.checkpoint import list_checkpoints, load_checkpoint
 
 
@@ -41,7 +42,7 @@ def find_checkpoint(run: str | Path, step: int | None = None) -> Path:
         raise ExportError(f"{str(run)!r} has no checkpoints (expected {run}/checkpoints/step_*)")
     if step is None:
         return found[-1]
-    want = run / "checkpoints" / f"step_{step:06d}"
+    want = RunDir(run).checkpoint(step)
     if want not in found:
         steps = ", ".join(str(int(p.name[5:])) for p in found)
         raise ExportError(f"--step {step}: {str(run)!r} has no complete checkpoint at that step (it has: {steps})")
@@ -102,7 +103,7 @@ def _convert(ckpt: Path, tmp: Path) -> None:
 
     run_dir = ckpt.parent.parent
     try:
-        model_path = json.loads((run_dir / "derived.json").read_text())["model_path"]
+        model_path = json.loads(RunDir(run_dir).derived.read_text())["model_path"]
     except (OSError, KeyError, ValueError):
         raise ExportError(f"{str(ckpt)!r} has no hf/ directory and its run has no derived.json "
                           "naming the model it started from") from None

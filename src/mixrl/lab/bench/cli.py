@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 
+from mixrl.system.files import atomic_write_json
+
 # benchmark -> (module, one-line help)
 BENCHES: dict[str, tuple[str, str]] = {
     "loss": ("mixrl.lab.bench.loss", "chunked vs full-logits log-probs; GRPO vs SC+MIS+top-p loss step"),
@@ -86,6 +88,4 @@ def _save(path: Path, bench: str, rest: list[str], text: str) -> None:
     record = {"command": " ".join(["mixrl", "bench", bench, *rest]), "machine": facts(),
               "result": result}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2, default=float) + "\n")
-    tmp.replace(path)
+    atomic_write_json(path, record, indent=2, default=float)

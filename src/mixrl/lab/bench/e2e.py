@@ -60,6 +60,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mixrl.records.run_dir import RunDir
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -91,7 +93,7 @@ def run_mixrl(base: list[str], run_dir: Path, extra: list[str]) -> dict[str, Any
     from mixrl.runtime.run import train
 
     s = train(_cfg(base, run_dir, extra), evaluate=False, progress=False)
-    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(x) for x in RunDir(run_dir).metrics.read_text().splitlines()]
     times = [r["time"] for r in recs]
     # per-version publish latencies (publish -> every replica serves it)
     pub = [r["fleet/publish_s"] for r in recs if r.get("fleet/publish_s") is not None]

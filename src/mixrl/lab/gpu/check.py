@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from mixrl.lab.gpu import Skip
+from mixrl.records.run_dir import RunDir
 
 # relative error bound of loss and gradient norm against float64, in units of roundoff u of
 # the compute dtype: 8u for bf16 (u = 2^-8) and fp16 (2^-11); 64u for fp32 (2^-23), whose
@@ -174,8 +175,8 @@ def check_train(model: str, device: str, run_dir: Path) -> dict[str, Any]:
     runs = [subprocess.run([*base, "--set", "runtime.steps=2"], capture_output=True, text=True, timeout=300)]
     runs.append(subprocess.run([*base, "--set", f"runtime.steps={TRAIN_STEPS}", "--resume", str(d)],
                                capture_output=True, text=True, timeout=300))
-    rows = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()] \
-        if (d / "metrics.jsonl").exists() else []
+    rows = [json.loads(x) for x in RunDir(d).metrics.read_text().splitlines() if x.strip()] \
+        if RunDir(d).metrics.exists() else []
     steps = [int(r["step"]) for r in rows]
     rng = [torch.load(f, weights_only=False, map_location="cpu") for f in sorted(d.glob("checkpoints/step_*/*.pt"))]
     out = {"returncodes": [r.returncode for r in runs], "steps": steps, "losses": [r.get("loss") for r in rows],

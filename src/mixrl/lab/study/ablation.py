@@ -35,6 +35,8 @@ from typing import Any
 from mixrl.lab.study import studydata
 from mixrl.lab.study.design import by_seed, effect, fmt_iv, found
 from mixrl.lab.study.stats import passk_matrix
+from mixrl.records.run_dir import RunDir
+from mixrl.system.files import atomic_write_json
 
 ARMS = ("grpo", "grpo+top-p", "sc", "grpo+mis", "sc+mis", "sc+mis+top-p")
 PAIRS = {
@@ -60,21 +62,19 @@ def score_top_p(out: Path, top_p: float, jobs: int = 2) -> int:
         run = policy.parent
         rel = run.relative_to(out)
         dest = Path(out) / "topp" / rel.parent / f"{rel.name}.json"
-        if not dest.exists() and (run / "summary.json").exists():
+        if not dest.exists() and RunDir(run).summary.exists():
             todo.append((run, dest))
 
     def one(item: tuple[Path, Path]) -> bool:
         run, dest = item
-        ev = tomllib.loads((run / "config.toml").read_text()).get("runtime", {}).get("eval", {})
+        ev = tomllib.loads(RunDir(run).config.read_text()).get("runtime", {}).get("eval", {})
         res = studydata.fp32_score(run / "policy", run, int(ev.get("n_tasks", 64)), int(ev.get("n", 4)),
                                    int(ev.get("seed", 1234)), top_p=top_p)
         if "error" in res:
             print(f"  {run}: eval failed: {res['error']}", flush=True)
             return False
         dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dest.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"top_p": top_p, "pass@1": res["pass@1"], "per_task": res["per_task"]}))
-        tmp.replace(dest)
+        atomic_write_json(dest, {"top_p": top_p, "pass@1": res["pass@1"], "per_task": res["per_task"]})
         return True
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mixrl.records.run_dir import RunDir
+
 
 @dataclass
 class Run:
@@ -100,10 +102,10 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 def load_run(path: Path, name: str | None = None) -> Run:
     path = Path(path)
     run = Run(path=path, name=name or path.name)
-    run.rows = _jsonl(path / "metrics.jsonl")
-    run.events = _jsonl(path / "collapse.jsonl")
+    run.rows = _jsonl(RunDir(path).metrics)
+    run.events = _jsonl(RunDir(path).collapse)
     run.evals = _jsonl(path / "evals.jsonl")
-    f = path / "eval.json"
+    f = RunDir(path).eval
     if f.exists():
         ev = json.loads(f.read_text())
         # ``mixrl train`` writes {"final": {...}, "base": {...}, "gain": ...}; a bare
@@ -135,7 +137,7 @@ def _toml(path: Path) -> dict[str, Any]:
 def load_runs(path: Path) -> list[Run]:
     """A run directory -> [run]; a compare directory -> every ``<fleet>/<arm>`` run in it."""
     path = Path(path)
-    if (path / "metrics.jsonl").exists():
+    if RunDir(path).metrics.exists():
         return [load_run(path)]
     runs = [
         load_run(m.parent, str(m.parent.relative_to(path)))

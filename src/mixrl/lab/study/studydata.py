@@ -31,6 +31,8 @@ from typing import Any
 
 from mixrl.lab.study.runs import Run, load_run
 from mixrl.records import keys as K
+from mixrl.records.run_dir import RunDir
+from mixrl.system.files import atomic_write_json
 
 STEP_KEYS = (K.REWARD, K.LENGTH, K.FORMAT_END, K.EMPTY_END, K.STALENESS, K.STALENESS_MAX, K.GRAD_NORM,
              K.ENTROPY, K.split(K.MISMATCH, K.KL_K3), K.split(K.MISMATCH, K.KL_EXACT),
@@ -73,7 +75,7 @@ def data_file(out: Path, run_dir: Path) -> Path:
 def fp32_score(policy: str | Path, run_dir: Path, n_tasks: int, n: int, seed: int,
                threads: int = 1, top_p: float = 1.0) -> dict[str, Any]:
     """``mixrl eval POLICY --config RUN/config.toml --profile fp32 [--top-p P]`` in its own process."""
-    cmd = [sys.executable, "-m", "mixrl.commands.main", "eval", str(policy), "--config", str(run_dir / "config.toml"),
+    cmd = [sys.executable, "-m", "mixrl.commands.main", "eval", str(policy), "--config", str(RunDir(run_dir).config),
            "--profile", "fp32", "--tasks", str(n_tasks), "--n", str(n), "--k", "1", "--seed", str(seed),
            "--threads", str(threads), "--top-p", str(top_p), "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -103,13 +105,13 @@ def score_checkpoints(run_dir: Path, n_tasks: int, n: int, seed: int, base: bool
 def _toml_model(run_dir: Path) -> str:
     import tomllib
 
-    return str(tomllib.loads((run_dir / "config.toml").read_text()).get("model", {}).get("path", "bundled"))
+    return str(tomllib.loads(RunDir(run_dir).config.read_text()).get("model", {}).get("path", "bundled"))
 
 
 def export(out: Path, run_dir: Path, fp32: dict[str, Any] | None = None, wall_s: float = math.nan) -> Path:
     """Write the run's data file (module docstring); returns its path."""
     run = load_run(run_dir)
-    ev = json.loads((run_dir / "eval.json").read_text()) if (run_dir / "eval.json").exists() else {}
+    ev = json.loads(RunDir(run_dir).eval.read_text()) if RunDir(run_dir).eval.exists() else {}
     final, base = ev.get("final", ev), ev.get("base") or {}
     cfg = run.config
     rt = cfg.get("runtime", {})
@@ -125,9 +127,7 @@ def export(out: Path, run_dir: Path, fp32: dict[str, Any] | None = None, wall_s:
     }
     f = data_file(out, run_dir)
     f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, separators=(",", ":")))
-    tmp.replace(f)  # atomic: a reader sees the old file or the new one
+    atomic_write_json(f, data, separators=(",", ":"))  # a reader sees the old file or the new one
     return f
 
 

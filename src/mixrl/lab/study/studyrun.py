@@ -35,11 +35,12 @@ from typing import Any
 
 from mixrl.lab.study import studydata
 from mixrl.lab.study.runs import load_run
+from mixrl.records.run_dir import RunDir
 
 
 def finished(run_dir: Path) -> bool:
     """A run is finished when ``mixrl train`` wrote its summary and was not interrupted."""
-    f = run_dir / "summary.json"
+    f = RunDir(run_dir).summary
     try:
         return f.exists() and not json.loads(f.read_text()).get("interrupted", True)
     except json.JSONDecodeError:

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from mixrl.records.generation import FinishReason, GenerationRequest, GenerationResult
+from mixrl.records.generation import FinishReason, GenerationRequest, GenerationResult, parse_record
 from mixrl.sampling.builtin import prefix_cache
 from mixrl.sampling.builtin.sample import draw, sampling_logprobs
 
@@ -355,7 +355,7 @@ class Running:
             cand_offsets=row.offs,
             cand_ids=cids,
             cand_logprobs=clps,
-            cand_kind="support" if kind == "support" else "head" if kind.startswith("head:") else "none",
+            cand_kind=parse_record(kind)[0],
             version=self.version,
             group=self.e.group,
             finish_reason=row.finish or "length",

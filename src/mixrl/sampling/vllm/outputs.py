@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mixrl.records.generation import FinishReason, GenerationResult, SamplingParams
+from mixrl.records.generation import FinishReason, GenerationResult, SamplingParams, parse_record
 
 
 def to_result(
@@ -63,11 +63,7 @@ def to_result(
         cand_offsets=offs,
         cand_ids=cids,
         cand_logprobs=clps,
-        cand_kind="support"
-        if kind == "support"
-        else "head"
-        if kind.startswith("head:")
-        else "none",
+        cand_kind=parse_record(kind)[0],
         version=version,
         group=group,
         finish_reason=finish,

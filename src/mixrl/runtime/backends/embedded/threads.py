@@ -33,6 +33,7 @@ from mixrl.runtime.handles import TrainerHandle
 from mixrl.runtime.trainer_state import load_trainer_state, save_policy, trainer_state
 from mixrl.sampling.base import ReplicaFailure
 from mixrl.sampling.profiles import get_profile, with_overrides
+from mixrl.system.seeds import stable_seed
 from mixrl.weights.shared import SharedVersion, map_manifest
 
 # Loading an HF model swaps global module state (meta-device initialisation), so two
@@ -54,11 +55,8 @@ def group_profile(cfg: RunConfig, group: str) -> Any:
 
 
 def replica_seed(run_seed: int, name: str) -> int:
-    """A stable per-replica engine seed (independent of Python's hash salt)."""
-    h = 1469598103934665603
-    for ch in f"{run_seed}/{name}":
-        h = ((h ^ ord(ch)) * 1099511628211) & ((1 << 63) - 1)
-    return h
+    """A stable per-replica engine seed (``system.seeds.stable_seed``: never Python's salted hash)."""
+    return stable_seed("replica", run_seed, name)
 
 
 class ThreadSampler(SamplerHandle):
