@@ -7,8 +7,8 @@ run:
 
 test:
 	@scripts/bootstrap.sh --dev
-	.venv/bin/ruff check src/mixrl/corrections src/mixrl/numerics src/mixrl/observe
-	.venv/bin/mypy src/mixrl/corrections src/mixrl/numerics
+	.venv/bin/ruff check src/mixrl/corrections src/mixrl/numerics src/mixrl/records src/mixrl/system src/mixrl/telemetry src/mixrl/lab/study
+	.venv/bin/mypy src/mixrl/corrections src/mixrl/numerics src/mixrl/records src/mixrl/system
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict   # the documentation site (scripts/gen_docs.py)
 	.venv/bin/python -m pytest
 

@@ -137,7 +137,7 @@ class Orchestrator:
             for g in cfg.fleet.groups
         ]
         self.fleet = Fleet(
-            specs, self.backend.make_sampler, WeightStore(put=lambda ref: ref),
+            specs, self.backend.make_sampler, WeightStore(put=None),
             seed=cfg.runtime.seed, max_retries=cfg.runtime.max_session_retries,
         )
         version = await self.trainer.version()

@@ -2,8 +2,10 @@
 
 Versions are immutable: ``publish`` stores what ``put`` returns for the
 trainer's state dict (in-process: a detached copy, so later optimizer steps do
-not change a published version; Ray: an object reference in the object store,
-written once and read by every replica). The store holds the trainer's own
+not change a published version). With ``put=None`` the store holds what it is
+given: a run's trainer handle publishes a reference that is already immutable
+(a version in shared memory, a Ray object written once and read by every
+replica), made by its backend. The store holds the trainer's own
 precision; each replica quantizes on load into its profile's formats.
 
 Only the newest ``keep`` versions are held: a replica always pulls the newest
@@ -33,7 +35,7 @@ def copy_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 class WeightStore:
-    def __init__(self, put: Callable[[dict[str, Any]], Any] = copy_state_dict, keep: int = KEEP_VERSIONS):
+    def __init__(self, put: Callable[[dict[str, Any]], Any] | None = copy_state_dict, keep: int = KEEP_VERSIONS):
         if keep < 1:
             raise ValueError(f"WeightStore.keep must be >= 1, got {keep}")
         self._put = put
@@ -53,7 +55,7 @@ class WeightStore:
         if version <= self.latest:
             raise ValueError(f"version {version} is not newer than the latest stored {self.latest}")
         t0 = time.perf_counter()
-        self._versions[version] = self._put(state_dict)
+        self._versions[version] = state_dict if self._put is None else self._put(state_dict)
         self.put_s[version] = time.perf_counter() - t0
         self._published_at[version] = t0
         self._waiting[version] = set(replicas)

@@ -202,7 +202,7 @@ def measure_publish(base: list[str], model_path: str, groups: list[str] | None, 
     async def main() -> dict[str, Any]:
         backend = EmbeddedBackend(cfg, model_path, None, workers="process")
         specs = [GroupSpec(g.name, float(profiles[g.name].relative_throughput), 1, 1, 1) for g in cfg.fleet.groups]
-        fleet = Fleet(specs, backend.make_sampler, WeightStore(put=lambda ref: ref))
+        fleet = Fleet(specs, backend.make_sampler, WeightStore(put=None))
         fleet.publish(0, SharedVersion.from_state_dict(model.state_dict()))
         await fleet.start()
         lat, quant, shm = [], [], []
