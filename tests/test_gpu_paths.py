@@ -172,7 +172,7 @@ def test_trainer_state_carries_every_rng_of_its_process() -> None:
 
     import numpy as np
 
-    from mixrl.runtime.trainer_state import load_trainer_state, trainer_state
+    from mixrl.train.surface import load_trainer_state, trainer_state
 
     class Bare:  # the trainer's own state is beside the point here
         def state_dict(self) -> dict[str, Any]:

@@ -80,8 +80,9 @@ def test_only_adapters_train_checkpoint_and_export(policy: str, tmp_path: Path) 
 
     from mixrl.config.presets import needs
     from mixrl.runtime.run import resolve_loss
-    from mixrl.runtime.trainer_state import build_trainer, save_policy
+    from mixrl.runtime.trainer_state import build_trainer
     from mixrl.train.lora import LoraTrainer
+    from mixrl.train.surface import save_policy
 
     cfg = lora_cfg(policy, tmp_path)
     loss_cfg = resolve_loss(cfg)[0]

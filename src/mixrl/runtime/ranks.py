@@ -32,8 +32,9 @@ from mixrl.config import RunConfig
 from mixrl.records.trajectory import Trajectory
 from mixrl.runtime.gpu import placement_of, require_cuda
 from mixrl.runtime.handles import TrainerHandle
-from mixrl.runtime.trainer_state import build_trainer, load_trainer_state, trainer_state
+from mixrl.runtime.trainer_state import build_trainer
 from mixrl.train.distributed import RankTrainer, free_port, init_rank, setup_threads
+from mixrl.train.surface import TrainerSurface
 
 
 def rank_device(rank: int, use_gpu: bool) -> str:
@@ -66,26 +67,11 @@ class RankWorker:
         self.trainer, self.tokenizer = build_trainer(
             run, model_path, loss_cfg, factory=RankTrainer, reduce_dtype=run.trainer.reduce_dtype, ckpt_dir=ckpt,
             device=self.device)
-
-    def step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
-        return self.trainer.step(trajectories, advantages)
-
-    def version(self) -> int:
-        return int(self.trainer.version)
-
-    def weights(self) -> dict[str, Any]:
-        return self.trainer.state_dict_for_samplers()  # rank 0: the full state; others: {}
-
-    def state(self) -> dict[str, Any]:
-
-        return trainer_state(self.trainer)
-
-    def load_state(self, state: dict[str, Any]) -> None:
-
-        load_trainer_state(self.trainer, state)
-
-    def save_policy(self, out_dir: str) -> None:
-        self.trainer.export(out_dir, self.tokenizer)
+        self.surface = TrainerSurface(self.trainer, self.tokenizer)
+        # the commands LocalRanks sends, each one the surface's (weights: rank 0 the full state, others {})
+        self.step, self.version, self.weights = self.surface.step, self.surface.version, self.surface.weights
+        self.state, self.load_state, self.save_policy = (self.surface.state_dict, self.surface.load_state_dict,
+                                                         self.surface.save_policy)
 
     def memory_bytes(self) -> int:
         return int(self.trainer.local_memory_bytes())

@@ -1,19 +1,14 @@
-"""Building the trainer from a run config, and its checkpoint state.
-
-Used by both backends (the Ray trainer actor calls these in its own process).
-The state holds the model, the optimizer, the version and every RNG the
-trainer draws from, so a resumed run continues with identical numbers.
-"""
+"""Building the trainer from a run config (both backends; the Ray trainer actor and each
+rank call it in their own process). What a built trainer offers a backend is
+``mixrl.train.surface.TrainerSurface``."""
 
 from __future__ import annotations
 
 import random
-from pathlib import Path
 from typing import Any
 
 from mixrl.config import RunConfig
 from mixrl.models.policy import load_policy
-from mixrl.train.checkpoint import capture_rng, restore_rng
 from mixrl.train.schedule import lr_factor
 from mixrl.train.trainer import Trainer
 
@@ -84,45 +79,3 @@ def generation_budget(cfg: RunConfig) -> int:
     if isinstance(turns, int) and turns > 0:
         budget = min(budget, turns * cfg.rollout.max_new_tokens)
     return budget
-
-
-def trainer_state(trainer: Any) -> dict[str, Any]:
-
-    if hasattr(trainer, "state_dict"):
-        state = dict(trainer.state_dict())
-    else:
-        state = {
-            "model": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-            "optimizer": trainer.optimizer.state_dict(),
-            "version": int(trainer.version),
-        }
-
-    # the trainer's own process (a Ray actor, a rank has its own RNGs): CPU, every CUDA device, python, numpy
-    state["rng"] = capture_rng()
-    return state
-
-
-def load_trainer_state(trainer: Any, state: dict[str, Any]) -> None:
-
-    state = dict(state)
-    rng = state.pop("rng")
-    if hasattr(trainer, "load_state_dict"):
-        trainer.load_state_dict(state)
-    else:
-        trainer.model.load_state_dict(state["model"])
-        trainer.optimizer.load_state_dict(state["optimizer"])
-        trainer.version = int(state["version"])
-
-    restore_rng(rng)
-
-
-def save_policy(trainer: Any, tokenizer: Any, out_dir: str) -> None:
-    """The current policy as an HF directory (FP32 weights + tokenizer)."""
-    export = getattr(trainer, "export", None)
-    if export is not None:  # LoRA: merged model + adapter; FSDP ranks: the gathered state
-        export(out_dir, tokenizer)
-        return
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    trainer.model.save_pretrained(str(out))
-    tokenizer.save_pretrained(str(out))

@@ -30,10 +30,10 @@ from mixrl.fleet.handles import SamplerHandle
 from mixrl.records.generation import GenerationRequest, GenerationResult
 from mixrl.records.trajectory import Trajectory
 from mixrl.runtime.handles import TrainerHandle
-from mixrl.runtime.trainer_state import load_trainer_state, save_policy, trainer_state
 from mixrl.sampling.base import ReplicaFailure
 from mixrl.sampling.profiles import get_profile, with_overrides
 from mixrl.system.seeds import stable_seed
+from mixrl.train.surface import TrainerSurface
 from mixrl.weights.shared import SharedVersion, map_manifest
 
 # Loading an HF model swaps global module state (meta-device initialisation), so two
@@ -120,34 +120,30 @@ def corrupted(res: GenerationResult, k: int) -> GenerationResult:
 
 
 class EmbeddedTrainer(TrainerHandle):
+    """The trainer in the orchestrator's process: ``TrainerSurface`` on a thread, one call at a time;
+    each published version written once into shared memory (later steps never change it)."""
+
     def __init__(self, trainer: Any, tokenizer: Any):
+        self.surface = TrainerSurface(trainer, tokenizer)
         self.trainer = trainer  # mixrl.train.trainer.Trainer
-        self.tokenizer = tokenizer
         self._lock = asyncio.Lock()
 
     async def step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
         async with self._lock:
-            return await asyncio.to_thread(self.trainer.step, trajectories, advantages)
+            return await asyncio.to_thread(self.surface.step, trajectories, advantages)
 
     async def version(self) -> int:
-        return int(self.trainer.version)
+        return self.surface.version()
 
-    async def weights(self) -> Any:
-        # Written once into shared memory; later steps never change a published version.
-        def publish() -> SharedVersion:
-            return SharedVersion.from_state_dict(self.trainer.state_dict_for_samplers())
-
+    async def weights(self) -> SharedVersion:
         async with self._lock:
-            return await asyncio.to_thread(publish)
+            return await asyncio.to_thread(lambda: SharedVersion.from_state_dict(self.surface.weights()))
 
     async def state(self) -> dict[str, Any]:
-
-        return trainer_state(self.trainer)
+        return self.surface.state_dict()
 
     async def load_state(self, state: dict[str, Any]) -> None:
-
-        load_trainer_state(self.trainer, state)
+        self.surface.load_state_dict(state)
 
     async def save_policy(self, out_dir: str) -> None:
-
-        await asyncio.to_thread(save_policy, self.trainer, self.tokenizer, out_dir)
+        await asyncio.to_thread(self.surface.save_policy, out_dir)

@@ -97,21 +97,22 @@ class TrainerActor:
         # Ray shows this actor only its bundle's GPUs: cuda:0; num_gpus = 0 pins the CPU
         self.device = rank_device(0, run.trainer.num_gpus > 0)
         self.trainer, self.tokenizer = build_trainer(run, model_path, loss_cfg, device=self.device)
+        self.surface = TrainerSurface(self.trainer, self.tokenizer)
         self.sender: Any = None
         self._sender_lock = threading.Lock()
 
     def step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
-        return self.trainer.step(trajectories, advantages)
+        return self.surface.step(trajectories, advantages)
 
     def version(self) -> int:
-        return int(self.trainer.version)
+        return self.surface.version()
 
     def weights(self) -> dict[str, Any]:
-        return self.trainer.state_dict_for_samplers()  # detached CPU copies
+        return self.surface.weights()  # detached CPU copies
 
-    # -- broadcast (fleet.broadcast.Sender): sends in their own threads, never holding the update
+    # -- broadcast (weights.broadcast.Sender): sends in their own threads, never holding the update
     def publish(self) -> int:
-        return self._sender().hold(int(self.trainer.version), self.trainer.state_dict_for_samplers())
+        return self._sender().hold(self.surface.version(), self.surface.weights())
 
     @ray.method(concurrency_group="weights")
     def channel_open(self, name: str, device: str) -> tuple[str, int]:
@@ -134,19 +135,13 @@ class TrainerActor:
             return self.sender
 
     def state(self) -> dict[str, Any]:
-        from mixrl.runtime.trainer_state import trainer_state
-
-        return trainer_state(self.trainer)
+        return self.surface.state_dict()
 
     def load_state(self, state: dict[str, Any]) -> None:
-        from mixrl.runtime.trainer_state import load_trainer_state
-
-        load_trainer_state(self.trainer, state)
+        self.surface.load_state_dict(state)
 
     def save_policy(self, out_dir: str) -> None:
-        from mixrl.runtime.trainer_state import save_policy
-
-        save_policy(self.trainer, self.tokenizer, out_dir)
+        self.surface.save_policy(out_dir)
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
