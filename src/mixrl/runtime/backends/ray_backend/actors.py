@@ -19,6 +19,7 @@ from mixrl.config import RunConfig
 from mixrl.records.generation import GenerationRequest, GenerationResult
 from mixrl.records.trajectory import Trajectory
 from mixrl.system.quiet import silence_libraries
+from mixrl.train.surface import TrainerSurface
 
 # Actors take their resources from their placement-group bundle (``RayBackend``).
 ACTOR_OPTS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
