@@ -40,8 +40,8 @@ from mixrl.corrections.metrics import mismatch_metrics
 from mixrl.corrections.types import LossInputs
 from mixrl.models.policy import resolve
 from mixrl.records.generation import GenerationRequest, SamplingParams
+from mixrl.sampling import factory
 from mixrl.sampling.builtin.engine import request_seed
-from mixrl.sampling.factory import make_engine
 from mixrl.sampling.profiles import get_profile, load_profiles, with_overrides
 
 METRICS = (
@@ -296,7 +296,7 @@ def probe(args: argparse.Namespace, skipped: dict[str, str] | None = None) -> di
     trainer = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     out: dict[str, dict[str, Any]] = {}
     for prof in profiles:
-        engine = make_engine(str(path), prof, group=prof.name, seed=args.seed)
+        engine = factory.make_engine(str(path), prof, group=prof.name, seed=args.seed)
         try:
             out[prof.name] = _probe_one(engine, prof, trainer, prompts, stops, args)
         finally:  # a vLLM engine holds its GPU memory until closed: the next profile needs it
