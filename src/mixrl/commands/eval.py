@@ -17,7 +17,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mixrl.config import ConfigError, load_config, resolve_paths
+from mixrl.data import DataError
+from mixrl.envs.registry import activate
+from mixrl.envs.rewards import RewardError
 from mixrl.records.run_dir import RunDir
+from mixrl.system.quiet import silence_libraries
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +41,6 @@ def _run_config(args: argparse.Namespace) -> Path | None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mixrl.system.quiet import silence_libraries
 
     silence_libraries()
     from mixrl.rollout import evaluate as ev
@@ -44,10 +48,6 @@ def main(args: argparse.Namespace) -> int:
     path = _run_config(args)
     if path is None:
         return int(ev.main(args) or 0)
-    from mixrl.config import ConfigError, load_config, resolve_paths
-    from mixrl.data import DataError
-    from mixrl.envs.registry import activate
-    from mixrl.envs.rewards import RewardError
 
     try:
         cfg = load_config(path)

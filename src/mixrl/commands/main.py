@@ -11,6 +11,7 @@ import argparse
 import importlib
 import sys
 
+from mixrl.config import ConfigError
 from mixrl.system.quiet import install_filters
 
 # command -> (module, one-line help)
@@ -43,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"mixrl {name}", description=COMMANDS[name][1])
     module.configure(parser)
     args = parser.parse_args(rest)
-    from mixrl.config import ConfigError
 
     try:
         return int(module.main(args) or 0)

@@ -31,7 +31,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mixrl.config import ConfigError
+from mixrl.models.chat import ChatFormat, ChatTemplateError
+from mixrl.models.loading import resolve_model
 from mixrl.serve.app import BATCHING, loop_runner
+from mixrl.system.heap import settle_heap
 from mixrl.system.seeds import stable_seed
 
 
@@ -93,7 +97,6 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
     from mixrl.sampling.factory import make_engine
     from mixrl.serve.app import make_app, server_options
     from mixrl.serve.core import ServeCore
-    from mixrl.system.heap import settle_heap
     from mixrl.weights.store import WeightStore
 
     async def make_replica(group: str, name: str) -> Any:
@@ -151,9 +154,6 @@ def main(args: argparse.Namespace) -> int:
         if not value >= lo:
             print(f"mixrl serve: {flag} must be >= {lo:g}, got {value}", file=sys.stderr)
             return 2
-    from mixrl.config import ConfigError
-    from mixrl.models.chat import ChatFormat, ChatTemplateError
-    from mixrl.models.loading import resolve_model
     from mixrl.sampling.profiles import get_profile
 
     try:

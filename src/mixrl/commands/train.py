@@ -27,8 +27,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mixrl.config import resolve_paths
+from mixrl.config import ConfigError, load_config, resolve_paths, to_toml
+from mixrl.data import DataError
+from mixrl.envs.rewards import RewardError
 from mixrl.records.run_dir import RunDir
+from mixrl.runtime.inputs import InputsChanged
+from mixrl.system.quiet import silence_libraries
+from mixrl.telemetry.sinks import SinkUnavailable
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -69,8 +74,6 @@ def _print_safely(text: str) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from mixrl.config import ConfigError, load_config, to_toml
-    from mixrl.system.quiet import silence_libraries
 
     silence_libraries()
     if args.resume and args.overwrite:
@@ -91,8 +94,6 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as e:
         return _fail("invalid config: " + "; ".join(str(e).splitlines()))
     resolve_paths(cfg, Path(path).resolve().parent if path is not None else None)
-    from mixrl.data import DataError
-    from mixrl.envs.rewards import RewardError
 
     try:  # the preset, profiles, environment, data and rewards are config too: check them before anything heavy
         from mixrl.envs.registry import activate
@@ -121,12 +122,7 @@ def _train(cfg: Any, args: argparse.Namespace, run_dir: Path) -> int:
     import logging
     import traceback
 
-    from mixrl.config import ConfigError
-    from mixrl.data import DataError
-    from mixrl.envs.rewards import RewardError
-    from mixrl.runtime.inputs import InputsChanged
     from mixrl.runtime.run import train
-    from mixrl.telemetry.sinks import SinkUnavailable
 
     try:
         summary = train(cfg, resume=bool(args.resume), evaluate=False if args.no_eval else None)

@@ -48,6 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from mixrl.config import ConfigError, RunConfig
 from mixrl.fleet.handles import SamplerHandle
+from mixrl.runtime.backends.embedded.threads import group_profile, replica_seed
 from mixrl.runtime.backends.placement import bundle, check_broadcast, cpus_needed
 from mixrl.runtime.backends.ray_backend.actors import RankActor, SamplerActor, TrainerActor
 from mixrl.runtime.backends.ray_backend.auth import (  # noqa: F401
@@ -59,6 +60,7 @@ from mixrl.runtime.backends.ray_backend.handles import RayRanks, RaySampler, Ray
 from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.sampling.base import ReplicaFailure
 from mixrl.weights.format_refs import FormatRefs
+from mixrl.weights.formats import format_key, serving_profile
 
 PLACEMENT_TIMEOUT_S = 60.0  # a bundle no node can hold fails its replica instead of waiting forever
 
@@ -157,8 +159,6 @@ class RayBackend(Backend):
         return self.trainer
 
     async def make_sampler(self, group: str, name: str) -> SamplerHandle:
-        from mixrl.runtime.backends.embedded.threads import group_profile, replica_seed
-        from mixrl.weights.formats import format_key, serving_profile
 
         trainer = self.trainer.actor if self.broadcast and self.trainer is not None else None
         if self.broadcast and trainer is None:  # before placing anything, so nothing is left behind

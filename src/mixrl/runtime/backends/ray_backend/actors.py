@@ -18,8 +18,15 @@ import ray
 from mixrl.config import RunConfig
 from mixrl.records.generation import GenerationRequest, GenerationResult
 from mixrl.records.trajectory import Trajectory
+from mixrl.runtime.gpu import placement_of
+from mixrl.runtime.ranks import RankWorker, rank_device
+from mixrl.runtime.trainer_state import build_trainer
+from mixrl.sampling.batching import BatchingSampler
+from mixrl.sampling.factory import make_engine
 from mixrl.system.quiet import silence_libraries
+from mixrl.train.distributed import free_port
 from mixrl.train.surface import TrainerSurface
+from mixrl.weights.broadcast import join
 
 # Actors take their resources from their placement-group bundle (``RayBackend``).
 ACTOR_OPTS: dict[str, Any] = {"num_cpus": 0, "max_restarts": 0}
@@ -32,8 +39,6 @@ class SamplerActor:
         silence_libraries()  # an actor's process: the libraries it loads stay quiet
         import torch
 
-        from mixrl.sampling.batching import BatchingSampler
-        from mixrl.sampling.factory import make_engine
 
         torch.set_num_threads(threads)
         self.sampler = BatchingSampler(make_engine(model_path, profile, group, seed=seed, **(engine_kw or {})))
@@ -63,7 +68,6 @@ class SamplerActor:
 
     async def channel_join(self, host: str, port: int, device: str) -> None:
         """Rank 1 of this replica's weights channel to the trainer (broadcast transport)."""
-        from mixrl.weights.broadcast import join
 
         self.channel = await asyncio.to_thread(join, host, port, device)
 
@@ -91,8 +95,6 @@ class SamplerActor:
 class TrainerActor:
     def __init__(self, cfg: dict[str, Any], model_path: str, loss_cfg: Any) -> None:
         silence_libraries()  # an actor's process: the libraries it loads stay quiet
-        from mixrl.runtime.ranks import rank_device
-        from mixrl.runtime.trainer_state import build_trainer
 
         run = RunConfig.model_validate(cfg)
         # Ray shows this actor only its bundle's GPUs: cuda:0; num_gpus = 0 pins the CPU
@@ -149,7 +151,6 @@ class TrainerActor:
 
     def where(self) -> dict[str, Any]:
         """The trainer's device as its parameters, CUDA's allocator and Ray's assignment show it."""
-        from mixrl.runtime.gpu import placement_of
 
         return {**placement_of(self.trainer), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
@@ -160,14 +161,12 @@ class RankActor:
     """One FSDP2 trainer rank (``runtime.ranks.RankWorker``) in a bundle of the trainer's placement group."""
 
     def address(self) -> tuple[str, int]:
-        from mixrl.train.distributed import free_port
 
         return ray.util.get_node_ip_address(), free_port()  # rank 0 hosts the rendezvous
 
     def setup(self, rank: int, world: int, addr: str, port: int, cfg: dict[str, Any], model_path: str,
               loss_cfg: Any) -> None:
         silence_libraries()  # an actor's process: the libraries it loads stay quiet
-        from mixrl.runtime.ranks import RankWorker
 
         self.rank = rank
         self.worker = RankWorker(rank, world, addr, port, cfg, model_path, loss_cfg)

@@ -19,6 +19,7 @@ from mixrl.fleet.handles import SamplerHandle, Superseded
 from mixrl.records.generation import GenerationRequest, GenerationResult
 from mixrl.records.trajectory import Trajectory
 from mixrl.runtime.handles import TrainerHandle
+from mixrl.runtime.ranks import RankFailure
 from mixrl.sampling.base import ReplicaFailure
 from mixrl.weights.broadcast import Broadcast
 from mixrl.weights.format_refs import FormatRefs
@@ -32,7 +33,6 @@ class RayRanks(TrainerHandle):
         self._lock = asyncio.Lock()
 
     async def _all(self, cmd: str, *args: Any) -> list[Any]:
-        from mixrl.runtime.ranks import RankFailure
 
         async with self._lock:  # collective: same order on every rank
             refs = [a.call.remote(cmd, *args) for a in self.actors]
