@@ -37,6 +37,7 @@ from mixrl.models.loading import resolve_model
 from mixrl.serve.app import BATCHING, loop_runner
 from mixrl.system.heap import settle_heap
 from mixrl.system.seeds import stable_seed
+from mixrl.weights.refs import WeightsRef
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +82,7 @@ class _Replica:
     async def generate(self, request: Any) -> Any:
         return await self.sampler.generate(request)
 
-    async def load_weights(self, ref: Any, version: int) -> None:
+    async def load_weights(self, ref: WeightsRef, version: int) -> None:
         await self.sampler.load_weights(ref, version)
 
     async def close(self) -> None:

@@ -10,9 +10,9 @@ error ``finish_reason``.
 from __future__ import annotations
 
 import abc
-from typing import Any
 
 from mixrl.records.generation import GenerationRequest, GenerationResult
+from mixrl.weights.refs import WeightsRef
 
 
 class Superseded(Exception):
@@ -29,7 +29,7 @@ class SamplerHandle(abc.ABC):
         """One request; ``ReplicaFailure`` if the replica died."""
 
     @abc.abstractmethod
-    async def load_weights(self, ref: Any, version: int) -> None:
+    async def load_weights(self, ref: WeightsRef, version: int) -> None:
         """Load a stored version (``ref`` from the weight store); quantize on load.
         ``Superseded`` if the version is gone and a newer one should be loaded."""
 

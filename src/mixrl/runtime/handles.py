@@ -17,6 +17,7 @@ from typing import Any
 
 from mixrl.fleet.handles import SamplerHandle
 from mixrl.records.trajectory import Trajectory
+from mixrl.weights.refs import WeightsRef
 
 __all__ = ["Backend", "SamplerHandle", "TrainerHandle"]
 
@@ -31,7 +32,7 @@ class TrainerHandle(abc.ABC):
         """Weights version: 0 at start, +1 per update."""
 
     @abc.abstractmethod
-    async def weights(self) -> Any:
+    async def weights(self) -> WeightsRef:
         """The current weights for the samplers, as a reference the weight store holds.
 
         The reference is immutable: later updates never change it."""

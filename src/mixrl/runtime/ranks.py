@@ -35,6 +35,7 @@ from mixrl.runtime.handles import TrainerHandle
 from mixrl.runtime.trainer_state import build_trainer
 from mixrl.train.distributed import RankTrainer, free_port, init_rank, setup_threads
 from mixrl.train.surface import TrainerSurface
+from mixrl.weights.refs import WeightsRef
 
 
 def rank_device(rank: int, use_gpu: bool) -> str:
@@ -187,7 +188,7 @@ class LocalRanks(TrainerHandle):
     async def version(self) -> int:
         return await self._call0("version")
 
-    async def weights(self) -> Any:
+    async def weights(self) -> WeightsRef:
         sd = await self._call0("weights")
         return await asyncio.to_thread(self.publish, sd) if self.publish is not None else sd
 

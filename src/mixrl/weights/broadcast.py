@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mixrl.weights.store import KEEP_VERSIONS
+from mixrl.weights.versions import KEEP_VERSIONS
 
 ALIGN = 64
 TIMEOUT_S = 300.0  # a receiver waits for the trainer's send (it may be mid-step)

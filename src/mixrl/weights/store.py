@@ -26,7 +26,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-KEEP_VERSIONS = 2  # versions held at once (the weight store's and the broadcast sender's default)
+from mixrl.weights.refs import WeightsRef
+from mixrl.weights.versions import KEEP_VERSIONS  # noqa: F401 - the store's default, named here too
 
 
 def copy_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
@@ -35,12 +36,12 @@ def copy_state_dict(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 class WeightStore:
-    def __init__(self, put: Callable[[dict[str, Any]], Any] | None = copy_state_dict, keep: int = KEEP_VERSIONS):
+    def __init__(self, put: Callable[[Any], WeightsRef] | None = copy_state_dict, keep: int = KEEP_VERSIONS):
         if keep < 1:
             raise ValueError(f"WeightStore.keep must be >= 1, got {keep}")
         self._put = put
         self.keep = keep
-        self._versions: OrderedDict[int, Any] = OrderedDict()  # version -> stored ref
+        self._versions: OrderedDict[int, WeightsRef] = OrderedDict()  # version -> stored ref
         self._published_at: dict[int, float] = {}
         self._waiting: dict[int, set[str]] = {}  # version -> replicas that must serve it
         self.latencies: dict[int, float] = {}  # version -> seconds until all replicas served it
@@ -50,7 +51,7 @@ class WeightStore:
     def latest(self) -> int:
         return next(reversed(self._versions)) if self._versions else -1
 
-    def publish(self, version: int, state_dict: dict[str, Any], replicas: list[str]) -> None:
+    def publish(self, version: int, state_dict: WeightsRef, replicas: list[str]) -> None:
         """Store ``version`` (must be newer than every stored one) for ``replicas`` to pull."""
         if version <= self.latest:
             raise ValueError(f"version {version} is not newer than the latest stored {self.latest}")
@@ -66,7 +67,7 @@ class WeightStore:
             if hasattr(old, "retire"):  # a shared-memory version: freed once no load holds it
                 old.retire()
 
-    def get(self, version: int | None = None) -> tuple[int, Any]:
+    def get(self, version: int | None = None) -> tuple[int, WeightsRef]:
         """(version, stored ref); None = the newest."""
         v = self.latest if version is None else version
         if v not in self._versions:

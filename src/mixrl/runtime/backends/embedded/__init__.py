@@ -53,7 +53,7 @@ from mixrl.runtime.handles import Backend, TrainerHandle
 from mixrl.runtime.trainer_state import build_trainer
 from mixrl.weights.formats import format_key, quantizer, serving_profile
 from mixrl.weights.shared import checkpoint_bytes, shm_shortfall
-from mixrl.weights.store import KEEP_VERSIONS
+from mixrl.weights.versions import KEEP_VERSIONS
 
 __all__ = ["EmbeddedBackend", "EmbeddedTrainer", "ProcessSampler", "ThreadSampler", "group_profile", "replica_seed"]
 

@@ -40,6 +40,7 @@ from mixrl.runtime.backends.embedded import worker
 from mixrl.runtime.backends.embedded.slots import QuantizeSlots
 from mixrl.sampling.base import ReplicaFailure
 from mixrl.system.quiet import install_filters
+from mixrl.weights.refs import WeightsRef
 from mixrl.weights.shared import SharedVersion
 
 START_TIMEOUT_S = 600.0  # a loaded 2-core machine can take minutes to import torch and build an engine
@@ -240,7 +241,7 @@ class ProcessSampler(SamplerHandle):
         if self.dead:  # the reader saw the pipe close: the process is gone
             raise ReplicaFailure(f"replica {self.name}: worker process {self.pid} is gone")
 
-    async def load_weights(self, ref: Any, version: int) -> None:
+    async def load_weights(self, ref: WeightsRef, version: int) -> None:
         if self.dead:
             raise ReplicaFailure(f"replica {self.name} is dead")
         own = not isinstance(ref, SharedVersion)

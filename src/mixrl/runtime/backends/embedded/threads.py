@@ -34,6 +34,7 @@ from mixrl.sampling.base import ReplicaFailure
 from mixrl.sampling.profiles import get_profile, with_overrides
 from mixrl.system.seeds import stable_seed
 from mixrl.train.surface import TrainerSurface
+from mixrl.weights.refs import WeightsRef
 from mixrl.weights.shared import SharedVersion, map_manifest
 
 # Loading an HF model swaps global module state (meta-device initialisation), so two
@@ -88,7 +89,7 @@ class ThreadSampler(SamplerHandle):
         if self.dead:
             raise ReplicaFailure(f"replica {self.name} is dead")
 
-    async def load_weights(self, ref: Any, version: int) -> None:
+    async def load_weights(self, ref: WeightsRef, version: int) -> None:
         if self.dead:
             raise ReplicaFailure(f"replica {self.name} is dead")
         if not isinstance(ref, SharedVersion):  # a plain state dict: quantized on load by the engine

@@ -23,6 +23,7 @@ from mixrl.runtime.ranks import RankFailure
 from mixrl.sampling.base import ReplicaFailure
 from mixrl.weights.broadcast import Broadcast
 from mixrl.weights.format_refs import FormatRefs
+from mixrl.weights.refs import WeightsRef
 
 
 class RayRanks(TrainerHandle):
@@ -50,7 +51,7 @@ class RayRanks(TrainerHandle):
     async def version(self) -> int:
         return await (await self._all("version"))[0]
 
-    async def weights(self) -> Any:
+    async def weights(self) -> WeightsRef:
         return (await self._all("weights"))[0]  # rank 0's gathered state stays in the object store
 
     async def state(self) -> dict[str, Any]:
@@ -98,7 +99,7 @@ class RaySampler(SamplerHandle):
         except RayActorError as e:  # died, or its node is unreachable (ActorUnavailableError)
             raise _replica_error(e, self.name) from e
 
-    async def load_weights(self, ref: Any, version: int) -> None:
+    async def load_weights(self, ref: WeightsRef, version: int) -> None:
         if isinstance(ref, Broadcast):
             await self._receive(ref.version)
             return
@@ -154,7 +155,7 @@ class RayTrainer(TrainerHandle):
     async def version(self) -> int:
         return await self.actor.version.remote()
 
-    async def weights(self) -> Any:
+    async def weights(self) -> WeightsRef:
         if self.broadcast:
             return Broadcast(await self.actor.publish.remote())
         # The reference itself is what the weight store holds: the data stays in the object
