@@ -1,9 +1,10 @@
-"""The ``Sampler`` interface: token ids in, token ids and log-probs out.
+"""The ``Engine`` interface: token ids in, token ids and log-probs out.
 
 Every engine (the built-in torch engine, vLLM) implements ``Engine``: a
-synchronous, batched ``generate_batch``. ``Sampler`` is the async face the
-rollout workers and the router talk to; ``BatchingSampler`` in
-``sampling/batching.py`` turns concurrent ``generate`` calls into batches.
+synchronous, batched ``generate_batch``. ``BatchingSampler``
+(``sampling/batching.py``) is the async replica over any engine: it turns
+concurrent ``generate`` calls into batches. The fleet talks to every replica,
+in this process or another, through one interface: ``fleet.handles.SamplerHandle``.
 
 Nothing here is ever re-tokenized: prompts and outputs are token ids.
 """
@@ -30,25 +31,6 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Take the trainer's weights (its own precision) and quantize on load."""
-
-
-class Sampler(abc.ABC):
-    """Async face of one sampler replica (what the router and sessions use)."""
-
-    group: str = ""
-
-    @property
-    @abc.abstractmethod
-    def version(self) -> int:
-        """The weights version this replica serves."""
-
-    @abc.abstractmethod
-    async def generate(self, request: GenerationRequest) -> GenerationResult:
-        """Generate one reply, recording per token log q, version and candidates."""
-
-    @abc.abstractmethod
-    async def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
-        """Take the trainer's weights of ``version`` and quantize them on load."""
 
 
 class ReplicaFailure(RuntimeError):

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixrl.records.generation import GenerationRequest, GenerationResult
-from mixrl.sampling.base import Engine, ReplicaFailure, Sampler
+from mixrl.sampling.base import Engine, ReplicaFailure
 
 Sink = Callable[[list[tuple[Any, "GenerationResult | BaseException"]]], None]
 
@@ -95,7 +95,9 @@ class _Item:
     enqueued: float = 0.0
 
 
-class BatchingSampler(Sampler):
+class BatchingSampler:
+    """The async replica over one engine: concurrent ``generate`` calls become batches."""
+
     def __init__(self, engine: Engine, *, max_batch: int = 64, max_wait_ms: float = 5,
                  idle_ms: float | None = None) -> None:
         if max_batch < 1:
