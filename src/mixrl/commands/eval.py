@@ -52,15 +52,15 @@ def main(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(path)
         resolve_paths(cfg, path.resolve().parent)
-        activate(cfg)
+        active = activate(cfg)
         from mixrl.envs.registry import make_task_source
 
-        n_avail = len(make_task_source(cfg.env.name, "heldout", args.seed))
+        n_avail = len(make_task_source(cfg.env.name, "heldout", args.seed, active=active))
         res = ev.evaluate(args.checkpoint, args.k, args.n, min(args.tasks or n_avail, n_avail), args.seed,
                           task=cfg.env.name, precision=args.precision, profile=args.profile,
                           temperature=cfg.rollout.temperature, top_p=args.top_p, max_new_tokens=cfg.rollout.max_new_tokens,
                           max_total_tokens=cfg.rollout.max_total_tokens, env_options=dict(cfg.env.options),
-                          num_threads=args.threads)
+                          num_threads=args.threads, active=active)
     except (ConfigError, DataError, RewardError, ValueError, FileNotFoundError) as e:
         print(f"mixrl eval: {'; '.join(str(e).splitlines())}", file=sys.stderr)
         return 2

@@ -167,8 +167,9 @@ class OpenAIAgentEnv(EndpointEnv):
             await client.close()
 
 
-def family(name: str) -> Any:
-    """The registry's family for ``env.name = "openai_agent:SPEC"``: rows come from ``[data]``."""
+def family(name: str, env_options: dict[str, Any] | None = None) -> Any:
+    """The registry's family for ``env.name = "openai_agent:SPEC"``: rows come from ``[data]``
+    (the options reach each env through ``make_env``)."""
     try:
         make_env = make_agent_family(name)
     except ValueError as e:

@@ -1,5 +1,6 @@
-"""A task family (how its tasks are made and its env built), and the run's active data,
-rewards and env options that the families' sources and envs read (``registry.activate``)."""
+"""A task family (how its tasks are made and its env built), and a run's inputs to them: its
+dataset, reward functions and env options (``registry.activate`` builds them; the caller passes
+them to ``make_task_source`` and ``make_env``: nothing is held in a global)."""
 
 from __future__ import annotations
 
@@ -21,12 +22,11 @@ class Family:
 
 @dataclass
 class Active:
-    """The run's dataset, reward functions and environment options (``activate``)."""
+    """A run's dataset, reward functions and environment options (``registry.activate``).
+    ``Active()``: none of them (the families' own tasks, no rewards, no options)."""
 
     data: Any = None
     rewards: Any = None
     options: dict[str, Any] | None = None
     split_seed: int = 0  # seeds data.heldout_fraction (the run's seed)
 
-
-ACTIVE = Active()

@@ -38,12 +38,14 @@ import functools
 import importlib
 import importlib.metadata
 import inspect
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from mixrl.data import open_split
 from mixrl.envs import calc, dataset, reverse, upper
 from mixrl.envs.base import Env
-from mixrl.envs.family import ACTIVE, Active, Family
+from mixrl.envs.family import Active, Family
 from mixrl.envs.rewards import Rewards
 from mixrl.models.chat import ChatFormat
 from mixrl.records.task import Task
@@ -53,6 +55,7 @@ TRAIN_SIZE = 10**9  # train sources are effectively endless
 
 
 FAMILIES: dict[str, Family] = {}
+_PREFIXED_BUILT: dict[tuple[str, str], Family] = {}  # (name, env options) -> family
 LAZY_FAMILIES: dict[str, str] = {"coding": "mixrl.envs.coding"}
 # Environments named by a prefix, built by a module imported on first use (its ``family(name)``):
 # ``openai_agent:PATH.py:FUNCTION`` runs agent code written against the openai client.
@@ -112,12 +115,17 @@ def _import_target(name: str) -> Any:
     return obj
 
 
-def get_family(name: str) -> Family:
+def get_family(name: str, options: dict[str, Any] | None = None) -> Family:
+    """The family ``name``; a prefixed one (``verifiers:``, ``openai_agent:``) is built for the run's
+    env ``options`` (its tasks may depend on them), once per (name, options)."""
     if name not in FAMILIES and name in LAZY_FAMILIES:
         FAMILIES[name] = importlib.import_module(LAZY_FAMILIES[name]).family(name)
     for prefix, module in PREFIXED.items():
         if name not in FAMILIES and name.startswith(prefix):
-            FAMILIES[name] = importlib.import_module(module).family(name)
+            key = (name, json.dumps(options or {}, sort_keys=True, default=str))
+            if key not in _PREFIXED_BUILT:
+                _PREFIXED_BUILT[key] = importlib.import_module(module).family(name, dict(options or {}))
+            return _PREFIXED_BUILT[key]
     if name not in FAMILIES and ":" in name:
         return _plugin(name, _import_target(name))
     if name not in FAMILIES:
@@ -151,7 +159,7 @@ def _signature_options(factory: Callable[..., Any]) -> frozenset[str] | None:
 def check_env(name: str, options: dict[str, Any], has_data: bool) -> None:
     """Raise ``ValueError`` (one line, with the valid choices) for a bad name or option."""
     try:
-        fams = [get_family(n) for n in MIXES.get(name, (name,))]
+        fams = [get_family(n, options) for n in MIXES.get(name, (name,))]
     except ValueError as e:
         raise ValueError(str(e) if str(e).startswith("env.name") else f"env.name: {e}") from None
     if not has_data and any(f.make_task is None for f in fams):
@@ -172,7 +180,8 @@ def check_env(name: str, options: dict[str, Any], has_data: bool) -> None:
 
 
 def activate(cfg: Any) -> Active:
-    """Make ``cfg``'s ``[data]``, ``[reward]`` and ``env.options`` the ones sources and envs use.
+    """``cfg``'s ``[data]``, ``[reward]`` and ``env.options``, checked, for the caller to pass to
+    ``make_task_source`` and ``make_env``.
 
     Raises ``ValueError`` / ``DataError`` / ``RewardError`` (user errors, one line).
     """
@@ -182,19 +191,12 @@ def activate(cfg: Any) -> Active:
     rewards = Rewards(cfg.reward.specs(), cfg.reward.weights) if cfg.reward.specs() else None
     if cfg.env.name == "dataset" and rewards is None:
         raise ValueError('env.name "dataset" scores replies with reward functions: set reward.function')
-    ACTIVE.data, ACTIVE.rewards, ACTIVE.options = (cfg.data if has_data else None), rewards, dict(cfg.env.options)
-    ACTIVE.split_seed = cfg.runtime.seed
+    active = Active((cfg.data if has_data else None), rewards, dict(cfg.env.options), cfg.runtime.seed)
     if has_data:
-        from mixrl.data import open_split
-
-        src = open_split(cfg.data, "train", cfg.runtime.seed, cfg.env.name, ACTIVE.split_seed)
+        src = open_split(cfg.data, "train", cfg.runtime.seed, cfg.env.name, active.split_seed)
         if rewards is not None:
             rewards.check_columns(src.columns)
-    return ACTIVE
-
-
-def deactivate() -> None:
-    ACTIVE.data, ACTIVE.rewards, ACTIVE.options = None, None, None
+    return active
 
 
 class TaskSource:
@@ -207,11 +209,12 @@ class TaskSource:
     sources endless; iteration starts at the cursor and advances it.
     """
 
-    def __init__(self, name: str, split: str, seed: int, size: int | None = None) -> None:
+    def __init__(self, name: str, split: str, seed: int, size: int | None = None,
+                 options: dict[str, Any] | None = None) -> None:
         if split not in SPLITS:
             raise ValueError(f"TaskSource.split must be one of {SPLITS}, got {split!r}")
         self.name, self.split, self.seed = name, split, seed
-        self.parts = [get_family(n) for n in MIXES.get(name, (name,))]
+        self.parts = [get_family(n, options) for n in MIXES.get(name, (name,))]
         default = TRAIN_SIZE if split == "train" else sum(f.heldout_size for f in self.parts)
         if size is not None and size < 1:
             raise ValueError(f"TaskSource.size must be >= 1, got {size}")
@@ -249,25 +252,28 @@ class TaskSource:
         self.cursor = int(state["cursor"])
 
 
-def make_task_source(name: str, split: str, seed: int = 0, size: int | None = None) -> Any:
-    """A ``TaskSource`` for a family name or a mix (``"mix"``); the dataset's rows when one is active."""
-    if ACTIVE.data is not None:
-        from mixrl.data import open_split
-
-        return open_split(ACTIVE.data, split, seed, name, ACTIVE.split_seed)
-    if name not in MIXES and get_family(name).make_task is None:
+def make_task_source(name: str, split: str, seed: int = 0, size: int | None = None,
+                     active: Active | None = None) -> Any:
+    """A ``TaskSource`` for a family name or a mix (``"mix"``); the dataset's rows when the run's
+    inputs (``active``, from ``activate``) have one."""
+    active = active or Active()
+    if active.data is not None:
+        return open_split(active.data, split, seed, name, active.split_seed)
+    if name not in MIXES and get_family(name, active.options).make_task is None:
         raise ValueError(f"environment {name!r} takes its prompts from a dataset: set data.train")
-    return TaskSource(name, split, seed, size)
+    return TaskSource(name, split, seed, size, active.options)
 
 
-def make_env(task: Task, chat: ChatFormat, **cfg: Any) -> Env:
-    """The environment of ``task``'s family; unknown ``cfg`` keys are ignored per family."""
-    factory = get_family(task.family).make_env
-    cfg = {**(ACTIVE.options or {}), **cfg}
+def make_env(task: Task, chat: ChatFormat, active: Active | None = None, **cfg: Any) -> Env:
+    """The environment of ``task``'s family with the run's env options and reward functions
+    (``active``); ``cfg`` overrides options; unknown keys are ignored per family."""
+    active = active or Active()
+    factory = get_family(task.family, active.options).make_env
+    cfg = {**(active.options or {}), **cfg}
     acc = _accepted(factory)
     if acc is not None:
         cfg = {k: v for k, v in cfg.items() if k in acc}
     env = factory(task, chat, **cfg)
-    if ACTIVE.rewards is not None and getattr(env, "rewards", None) is None:
-        env.rewards = ACTIVE.rewards  # type: ignore[attr-defined]
+    if active.rewards is not None and getattr(env, "rewards", None) is None:
+        env.rewards = active.rewards  # type: ignore[attr-defined]
     return env

@@ -25,8 +25,8 @@ import os
 import random
 from typing import Any
 
-from mixrl.envs import family as registry
 from mixrl.envs.agent import EndpointEnv
+from mixrl.envs.family import Family
 from mixrl.envs.plugins import load_module
 from mixrl.records.task import Task
 
@@ -92,8 +92,9 @@ class VerifiersEnv(EndpointEnv):
         return out["reward"], {"rubric": metrics}
 
 
-def family(name: str) -> Any:
-    """The registry's family for ``env.name = "verifiers:SPEC"``: tasks are the environment's rows."""
+def family(name: str, env_options: dict[str, Any]) -> Any:
+    """The registry's family for ``env.name = "verifiers:SPEC"``: tasks are the environment's rows
+    (``load_environment(**env_options)``)."""
 
     spec = name[len(PREFIX):]
     if not spec:
@@ -101,7 +102,7 @@ def family(name: str) -> Any:
     _module(spec)  # fails now, at --dry-run, if the module is not there
 
     def options() -> dict[str, Any]:
-        return dict(registry.ACTIVE.options or {})
+        return dict(env_options)
 
     def make_task(seed: int, split: str, index: int) -> Task:
         rows = _rows(_env_of(spec, options()), split)
@@ -127,4 +128,4 @@ def family(name: str) -> Any:
         heldout = len(_rows(_env_of(spec, options()), "heldout"))
     except ValueError:
         heldout = 0
-    return registry.Family(name, make_task, make_env, heldout)
+    return Family(name, make_task, make_env, heldout)

@@ -34,6 +34,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
 
+from mixrl.envs.family import Active
 from mixrl.envs.registry import make_env, make_task_source
 from mixrl.models.chat import ChatFormat
 from mixrl.models.policy import resolve
@@ -167,8 +168,10 @@ def evaluate(
     max_batch: int = 64,
     num_threads: int | None = None,
     chat_template: str | None = None,
+    active: Active | None = None,
 ) -> dict[str, Any]:
-    """pass@1 and pass@k of ``model_path`` on ``n_tasks`` held-out tasks of ``task``.
+    """pass@1 and pass@k of ``model_path`` on ``n_tasks`` held-out tasks of ``task`` (a run's dataset,
+    rewards and env options: ``active``, from ``envs.registry.activate``).
 
     Returns a dict with ``pass@1``, ``pass@<k>``, ``n_tasks``, ``n``, ``k``,
     ``mean_reward``, ``status`` counts, ``infra_failed``, ``tasks_incomplete``,
@@ -187,7 +190,7 @@ def evaluate(
     t0 = time.perf_counter()
     path = resolve(model_path)
     chat = _chat_format(path, chat_template)
-    src = make_task_source(task, "heldout", seed)
+    src = make_task_source(task, "heldout", seed, active=active)
     n_tasks = len(src) if n_tasks is None else n_tasks
     if not 1 <= n_tasks <= len(src):
         raise ValueError(f"evaluate: n_tasks must be in [1, {len(src)}] for {task!r}, got {n_tasks}")
@@ -207,7 +210,7 @@ def evaluate(
 
         try:
             coros = [
-                run_episode(make_env(t, chat, **env_kw), generate, params,
+                run_episode(make_env(t, chat, active, **env_kw), generate, params,
                             prompt_id=t.prompt_id, sample_idx=j, max_total_tokens=max_total_tokens)
                 for t in tasks for j in range(n)
             ]

@@ -40,6 +40,7 @@ from typing import Any
 
 from mixrl.config import Derived, RunConfig
 from mixrl.config.presets import needs
+from mixrl.envs.family import Active
 from mixrl.envs.registry import make_env, make_task_source
 from mixrl.fleet.autoscaler import Autoscaler
 from mixrl.fleet.cost import CostModel
@@ -107,8 +108,10 @@ class Orchestrator:
         sinks: Any = None,
         progress: Any = None,
         resume: dict[str, Any] | None = None,
+        active: Active | None = None,
     ):
         self.cfg, self.backend, self.model_path = cfg, backend, model_path
+        self.active = active or Active()  # the run's dataset, rewards and env options (envs.registry.activate)
         self.loss_cfg, self.derived, self.tokenizer = loss_cfg, derived, tokenizer
         self.profiles, self.sinks, self.progress, self.resume = profiles, sinks, progress, resume
         self.step = 0
@@ -150,7 +153,7 @@ class Orchestrator:
 
         chat = ChatFormat(self.tokenizer)
         env_opts = dict(cfg.env.options)
-        self.task_source = make_task_source(cfg.env.name, "train", seed=cfg.runtime.seed)
+        self.task_source = make_task_source(cfg.env.name, "train", seed=cfg.runtime.seed, active=self.active)
         self.buffer = RolloutBuffer(cfg.rollout.group_size, cfg.runtime.max_staleness, cfg.runtime.staleness_policy,
                                     dynamic_sampling=cfg.rollout.dynamic_sampling)
         params = SamplingParams(
@@ -160,7 +163,7 @@ class Orchestrator:
         )
         self._screen = _screening(self.model_path, self.loss_cfg, cfg)
         self.sessions = Sessions(
-            self.fleet, self.buffer, lambda task: make_env(task, chat, **env_opts), params,
+            self.fleet, self.buffer, lambda task: make_env(task, chat, self.active, **env_opts), params,
             max_total_tokens=cfg.rollout.max_total_tokens, seed=cfg.runtime.seed,
             on_complete=self._on_complete, chunk_tokens=cfg.rollout.interrupt_tokens,
             check=(self._screen["vocab_size"], self._screen["cand_kind"]),

@@ -23,6 +23,7 @@ from typing import Any
 from mixrl.config import ConfigError, Derived, RunConfig, derive, format_errors, to_toml
 from mixrl.config.loss import LossConfig
 from mixrl.config.presets import check_run, get_preset
+from mixrl.envs.family import Active
 from mixrl.envs.registry import activate
 from mixrl.models.loading import check_model, load_tokenizer
 from mixrl.records.run_dir import RunDir
@@ -201,7 +202,7 @@ def train(
     payload = load(run_dir) if resume else None
     if resume and payload is None:
         raise FileNotFoundError(f"--resume: no checkpoint in {run_dir}")
-    model_path, loss_cfg, derived = prepare_run_dir(cfg, run_dir, payload)
+    model_path, loss_cfg, derived, active = prepare_run_dir(cfg, run_dir, payload)
     profiles = group_profiles(cfg)
     quiet_loaded()
     tokenizer = load_tokenizer(model_path, cfg.model.chat_template)
@@ -213,7 +214,7 @@ def train(
         await backend.start()
         orch = Orchestrator(
             cfg, backend, model_path=model_path, loss_cfg=loss_cfg, derived=derived,
-            tokenizer=tokenizer, profiles=profiles, sinks=sinks, progress=bar, resume=payload,
+            tokenizer=tokenizer, profiles=profiles, sinks=sinks, progress=bar, resume=payload, active=active,
         )
         try:
             await orch.setup()
@@ -239,14 +240,14 @@ def train(
     orch = summary.pop("orchestrator")
     summary["wall_s"] = time.perf_counter() - t0
     summary["history"] = orch.history
-    return conclude(cfg, summary, model_path, run_dir, evaluate)
+    return conclude(cfg, summary, model_path, run_dir, evaluate, active)
 
 
-def prepare_run_dir(cfg: RunConfig, run_dir: Path, payload: dict[str, Any] | None) -> tuple[str, Any, Derived]:
+def prepare_run_dir(cfg: RunConfig, run_dir: Path, payload: dict[str, Any] | None) -> tuple[str, Any, Derived, Active]:
     """Check the model, fleet and (on resume) the inputs, then write the run directory's
-    config files; returns (model path, loss config, derived values)."""
+    config files; returns (model path, loss config, derived values, the run's env inputs)."""
 
-    activate(cfg)  # the dataset, reward functions and env options the sources and envs use
+    active = activate(cfg)  # the dataset, reward functions and env options the sources and envs use
     model_path = str(check_model(cfg.model.path, cfg.model.chat_template))  # ConfigError before any run dir
     # an architecture an engine cannot run: refused now
     check_fleet(model_path, group_profiles(cfg), routing_replay=resolve_loss(cfg)[0].routing_replay)
@@ -262,18 +263,18 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, payload: dict[str, Any] | Non
     RunDir(run_dir).config.write_text(to_toml(cfg) + "\n")
     atomic_write_json(RunDir(run_dir).derived, {**derived.__dict__, "model_path": model_path}, indent=2)
     atomic_write_json(RunDir(run_dir).inputs, inputs, indent=2)
-    return model_path, loss_cfg, derived
+    return model_path, loss_cfg, derived, active
 
 
 def conclude(cfg: RunConfig, summary: dict[str, Any], model_path: str, run_dir: Path,
-             evaluate: bool | None) -> dict[str, Any]:
+             evaluate: bool | None, active: Active | None = None) -> dict[str, Any]:
     """The held-out evaluation (unless off, interrupted or without held-out data) and ``summary.json``."""
     do_eval = cfg.runtime.eval.enabled if evaluate is None else evaluate
     if do_eval and cfg.data.train is not None and not (cfg.data.heldout or cfg.data.heldout_fraction):
         do_eval = False
         summary["eval_skipped"] = "no held-out data (set data.heldout or data.heldout_fraction)"
     if do_eval and not summary["interrupted"]:
-        summary["eval"] = run_eval(cfg, model_path, str(run_dir / "policy"))
+        summary["eval"] = run_eval(cfg, model_path, str(run_dir / "policy"), active)
         atomic_write_json(RunDir(run_dir).eval, summary["eval"], indent=2)
     RunDir(run_dir).summary.write_text(
         json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2, default=float) + "\n"
@@ -281,7 +282,7 @@ def conclude(cfg: RunConfig, summary: dict[str, Any], model_path: str, run_dir: 
     return summary
 
 
-def run_eval(cfg: RunConfig, base_path: str, final_path: str) -> dict[str, Any]:
+def run_eval(cfg: RunConfig, base_path: str, final_path: str, active: Active | None = None) -> dict[str, Any]:
     """pass@k on the held-out split, of the starting and the final policy."""
 
     e = cfg.runtime.eval
@@ -289,13 +290,13 @@ def run_eval(cfg: RunConfig, base_path: str, final_path: str) -> dict[str, Any]:
     if cfg.data.train is not None:  # a dataset's held-out split may be smaller than n_tasks
         from mixrl.envs.registry import make_task_source
 
-        n_tasks = min(n_tasks, len(make_task_source(cfg.env.name, "heldout", e.seed)))
+        n_tasks = min(n_tasks, len(make_task_source(cfg.env.name, "heldout", e.seed, active=active)))
     out: dict[str, Any] = {"task": cfg.env.name, "k": e.k, "n": e.n, "n_tasks": n_tasks, "seed": e.seed,
                            "top_p": e.top_p}
     kw = dict(k=e.k, n=e.n, n_tasks=n_tasks, seed=e.seed, task=cfg.env.name,
               max_total_tokens=cfg.rollout.max_total_tokens, max_new_tokens=cfg.rollout.max_new_tokens,
               temperature=cfg.rollout.temperature, top_p=e.top_p, env_options=dict(cfg.env.options),
-              chat_template=cfg.model.chat_template)
+              chat_template=cfg.model.chat_template, active=active)
     t0 = time.perf_counter()
     out["final"] = evaluate(final_path, **kw)
     if e.base:
