@@ -18,6 +18,7 @@ from mixrl.corrections import aggregation_denominator, compute_loss
 EXPECTED = {
     "grpo", "grpo+mis", "sc", "grpo+top-p", "sc+mis", "sc+mis+top-p", "tis", "icepop",
     "seq-mis", "geo-mask", "veto", "opsm", "gspo", "decoupled-ppo", "on-policy", "fp16",
+    "trl-grpo", "trl-grpo+vllm", "verl-grpo", "verl-grpo+tis",
 }  # fmt: skip
 
 

@@ -37,6 +37,7 @@ from mixrl.config.loss import (
     MIS,
     OPSM,
     TIS,
+    AdvantageConfig,
     GeoMask,
     GSPOObjective,
     LossConfig,
@@ -52,6 +53,8 @@ HEAD_K = 64
 
 SEED_TOP_P = 0.9  # the "+top-p" arms' nucleus
 SEED_MIS = MIS(lo=0.2, hi=5.0)  # the seed's MIS range
+TRL_CLIP = PPOClipObjective(eps_low=0.2, eps_high=0.2)  # TRL: epsilon, epsilon_high
+VERL_CLIP = PPOClipObjective(eps_low=0.2, eps_high=0.2, dual_clip=3.0)  # verl: clip_ratio_low/high, clip_ratio_c
 
 
 class Preset(BaseModel):
@@ -136,6 +139,16 @@ _ALL = [
         objective=PPOClipObjective(eps_low=0.2, eps_high=0.2),
         corrections=[TIS(cap=2.0)],
     ),
+    # Other frameworks' defaults (docs/migrating.md): TRL 1.9 GRPOConfig, verl 0.7 ppo_trainer.yaml
+    # with algorithm.adv_estimator=grpo. Both clip the policy ratio, so epochs/minibatches > 1 work.
+    _p("trl-grpo", "TRL GRPOTrainer defaults: PPO clip 0.2, token mean over the batch, std + 1e-4",
+       objective=TRL_CLIP, advantage=AdvantageConfig(eps=1e-4)),
+    _p("trl-grpo+vllm", "trl-grpo with TRL's vLLM correction: sequence ratio masked above 3",
+       objective=TRL_CLIP, advantage=AdvantageConfig(eps=1e-4), corrections=[SeqMIS(lo=0.0, hi=3.0)]),
+    _p("verl-grpo", "verl GRPO defaults: PPO clip 0.2, dual clip 3, token mean, std + 1e-6",
+       objective=VERL_CLIP),
+    _p("verl-grpo+tis", "verl-grpo with rollout_is=token: token ratio truncated at 2",
+       objective=VERL_CLIP, corrections=[TIS(cap=2.0)]),
 ]
 PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
 SEED_ARMS: tuple[str, ...] = ("grpo", "grpo+mis", "sc", "grpo+top-p", "sc+mis", "sc+mis+top-p")
