@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Generate the documentation site's pages from the code, the README and the artifacts.
+"""Generate the documentation site's reference pages from the code, the docs and the artifacts.
 
     mkdocs build --strict            # mkdocs.yml runs this file as a hook: every build regenerates
     python scripts/gen_docs.py OUT   # write the generated pages under OUT, to read them
@@ -14,10 +14,13 @@ Nothing generated is committed, so nothing drifts:
 - the CLI reference from the argparse parsers (``mixrl.commands.main.COMMANDS`` and the
   benchmarks of ``mixrl.lab.bench.cli.BENCHES``);
 - the API reference: one mkdocstrings page per module of ``API_MODULES``;
-- guide and concept pages cut from README.md and docs/corrections.md by heading,
-  and the results page rendered from docs/artifacts/ by scripts/readme_tables.py.
+- the precision page from ``src/mixrl/sampling/profiles.toml`` and the probe's artifact
+  (its table by scripts/readme_tables.py);
+- the metrics and guard-rail pages cut from docs/corrections.md by heading.
 
-The hand-written pages (docs/*.md) are used as they are.
+The hand-written pages (every other ``docs/**/*.md``: the home page, the quickstart,
+the guides, the concepts, the results) are source files, used as they are;
+scripts/readme_tables.py renders the result tables they hold.
 """
 
 from __future__ import annotations
@@ -190,6 +193,7 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+
 def config_page(name: str) -> str:
     title, parts = config_sections()[name]
     lines = [f"# `{title}`", ""]
@@ -273,7 +277,7 @@ def cli_page() -> str:
             os.environ["COLUMNS"] = old
 
 
-# ---------------------------------------------------------- pages cut from README and docs
+# ------------------------------------------------------------- pages cut from docs
 
 
 def section(text: str, title: str, level: int = 2) -> str:
@@ -323,12 +327,6 @@ def _promote(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def readme_page(page: str, title: str, *sections: str, after: str = "") -> str:
-    readme = (ROOT / "README.md").read_text()
-    body = "\n\n".join((f"## {s}\n\n" if len(sections) > 1 else "") + section(readme, s) for s in sections)
-    return relink(f"# {title}\n\n" + (_promote(body) if len(sections) == 1 else body) + after, page)
-
-
 def precision_page() -> str:
     import tomllib
 
@@ -356,12 +354,6 @@ def precision_page() -> str:
     ]) + "\n"
 
 
-def results_page() -> str:
-    readme = (ROOT / "README.md").read_text()
-    body = readme_tables.render(section(readme, "Results on this kind of machine (2 CPU cores, no GPU)"))
-    return relink("# Results (2 CPU cores, no GPU)\n\n" + _promote(body), "results.md")
-
-
 def corrections_page(page: str, title: str, heading: str, after: str = "") -> str:
     text = (ROOT / "docs/corrections.md").read_text()
     body = relink(_promote(section(text, heading)), page, "docs")
@@ -376,21 +368,6 @@ def api_pages() -> dict[str, str]:
         pages[f"reference/api/{m}.md"] = f"# `{m}`\n\n::: {m}\n"
     return pages
 
-
-INDEX_TAIL = """
-## Where to go
-
-- [Quickstart](quickstart.md): `make run`, `make test` and every command.
-- Guides: [your model](own_model.md), [your data and reward](guides/data.md),
-  [your environment](envs.md), [agents and verifiers](guides/agents.md),
-  [a Ray cluster](guides/ray.md), [vLLM](guides/vllm.md),
-  [precision profiles and the probe](guides/precision.md), [the study](study.md).
-- Concepts: [how a run works](concepts/run.md), [the corrections](corrections.md),
-  [metrics](concepts/metrics.md), [guard rails](concepts/guard-rails.md).
-- [Results](results.md) on 2 CPU cores, from the committed artifacts.
-- Reference: [configuration](reference/config/index.md) (every field),
-  [command line](reference/cli.md), [API](reference/api/index.md).
-"""
 
 PRECISION_LAG_EXAMPLE = """
 `mixrl report RUN_DIR` plots the precision and lag KL of every sampler group over the updates
@@ -410,27 +387,22 @@ def _paragraph(text: str, start: str) -> str:
 
 def pages() -> dict[str, str]:
     """Every generated page: site path -> Markdown."""
-    readme = (ROOT / "README.md").read_text()
-    intro = readme.split("\n## Quickstart", 1)[0]
+    quickstart = (ROOT / "docs/quickstart.md").read_text()
     out = {
-        "index.md": relink(intro, "index.md") + INDEX_TAIL,
-        "quickstart.md": readme_page("quickstart.md", "Quickstart", "Quickstart", "Commands"),
-        "guides/data.md": readme_page("guides/data.md", "Your data and reward", "Train on your data"),
-        "guides/agents.md": readme_page("guides/agents.md", "Agents and verifiers", "Agents and verifiers environments"),
-        "guides/ray.md": readme_page("guides/ray.md", "A Ray cluster", "Several machines (Ray)"),
-        "guides/vllm.md": readme_page("guides/vllm.md", "vLLM", "vLLM"),
         "guides/precision.md": precision_page(),
-        "concepts/run.md": readme_page("concepts/run.md", "How a run works", "How a run works"),
         "concepts/metrics.md": corrections_page(
             "concepts/metrics.md", "Metrics reference", "10. Metrics",
-            "\n## Where they are written\n\n" + _paragraph(readme, "A run directory holds") + PRECISION_LAG_EXAMPLE),
+            "\n## Where they are written\n\n" + relink(_paragraph(quickstart, "A run directory holds"),
+                                                     "concepts/metrics.md", "docs") + PRECISION_LAG_EXAMPLE),
         "concepts/guard-rails.md": corrections_page("concepts/guard-rails.md", "Guard rails", "12. Guard rails"),
-        "results.md": results_page(),
         "reference/config/index.md": config_index(),
         "reference/cli.md": cli_page(),
         **{f"reference/config/{name}.md": config_page(name) for name in config_sections()},
         **api_pages(),
     }
+    clash = [p for p in out if (ROOT / "docs" / p).exists()]
+    if clash:
+        raise SystemExit(f"gen_docs: generated pages also exist as files under docs/: {clash}")
     return out
 
 

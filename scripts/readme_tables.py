@@ -1,20 +1,24 @@
 #!/usr/bin/env python
-"""Regenerate the README's result tables from the artifacts in docs/artifacts/.
+"""Regenerate the result tables of the README and the documentation pages from docs/artifacts/.
 
-    python scripts/readme_tables.py           # rewrite README.md in place
-    python scripts/readme_tables.py --check   # exit 1 if README.md is out of date
+    python scripts/readme_tables.py           # rewrite every file of FILES in place
+    python scripts/readme_tables.py --check   # exit 1 if one of them is out of date
 
 Each table sits between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` in
-README.md and is made only from artifact files (``scripts/record.py`` and
-``mixrl bench --save`` write them, with the command and the machine's facts):
-no figure in those tables is typed by hand. The benchmark table shows each
-benchmark's headline figures as ``mixrl.lab.bench.headlines`` declares them, one row
-each, and links the full JSON. Standard library only.
+one of ``FILES`` (README.md and the pages under docs/ that hold tables) and is
+made only from artifact files (``scripts/record.py`` and ``mixrl bench --save``
+write them, with the command and the machine's facts): no figure in those tables
+is typed by hand. Links to the artifacts are written relative to the file that
+holds the table. The benchmark table shows each benchmark's headline figures as
+``mixrl.lab.bench.headlines`` declares them, one row each, and links the full
+JSON; the README's ``headlines`` table keeps the figures that have a goal.
+Standard library only.
 """
 
 from __future__ import annotations
 
 import json
+import posixpath
 import re
 import sys
 from collections.abc import Callable
@@ -22,6 +26,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "docs" / "artifacts"
+# the files whose tables are rendered and checked, relative to ROOT
+FILES = ("README.md", "docs/quickstart.md", "docs/results.md", "docs/guides/data.md", "docs/guides/real_model.md")
 sys.path.insert(0, str(ROOT / "src"))
 
 from mixrl.lab.bench import headlines  # noqa: E402 - standard library only, found through src/
@@ -178,8 +184,7 @@ def table_probe_real() -> str:
             f"{_machine(toy['machine'])}.\n\n{table}")
 
 
-def table_bench(link: str = "docs/artifacts/") -> str:
-    """One row per headline figure (``mixrl.lab.bench.headlines``), each linking its full JSON."""
+def _bench_rows(link: str, with_goal_only: bool = False) -> tuple[list[list[str]], list[str]]:
     rows, commands = [], []
     for path in sorted(ARTIFACTS.glob("bench_*.json")):
         art = json.loads(path.read_text())
@@ -187,14 +192,31 @@ def table_bench(link: str = "docs/artifacts/") -> str:
         ref = f"[{name}]({link}{path.name})"
         commands.append(f"- {ref}: `{art['command']}`")
         for r in headlines.rows(name, art["result"]):
+            if with_goal_only and (r.headline.op is None or r.goal is None):
+                continue
             value = _fmt(r.value)
             if isinstance(r.interval, list) and len(r.interval) >= 2:  # [lo, hi, coverage]
                 value += f" [{_fmt(r.interval[0])}, {_fmt(r.interval[1])}]"
             met = "—" if r.met is None else ("yes" if r.met else "**no**")
             rows.append([ref, f"{r.headline.label} (`{r.headline.key}`)", value, goal_cell(r), met,
                          machine_short(art["machine"])])
-    table = _table(["benchmark", "figure", "value", "goal or limit", "met?", "machine"], rows)
+    return rows, commands
+
+
+BENCH_HEADER = ["benchmark", "figure", "value", "goal or limit", "met?", "machine"]
+
+
+def table_bench(link: str = "docs/artifacts/") -> str:
+    """One row per headline figure (``mixrl.lab.bench.headlines``), each linking its full JSON."""
+    rows, commands = _bench_rows(link)
+    table = _table(BENCH_HEADER, rows)
     return table + "\n\nFull results (every figure the command printed, with the machine's facts):\n\n" + "\n".join(commands)
+
+
+def table_headlines(link: str = "docs/artifacts/") -> str:
+    """The benchmark rows that are held to a goal (the README's summary of ``table_bench``)."""
+    rows, _ = _bench_rows(link, with_goal_only=True)
+    return _table(BENCH_HEADER, rows)
 
 
 def table_probe() -> str:
@@ -299,32 +321,44 @@ def table_ablation() -> str:
 
 
 TABLES: dict[str, Callable[[], str]] = {"eval": table_eval, "data": table_data, "bench": table_bench,
+                                        "headlines": table_headlines,
                                         "probe": table_probe, "make_run": table_make_run, "real": table_real,
                                         "probe_real": table_probe_real, "study": lambda: _study("study"),
                                         "study_real": lambda: _study("study_real"), "ablation": table_ablation,
                                         "study_prereg": lambda: _study("study_prereg")}
+LINKED = {"bench": table_bench, "headlines": table_headlines}  # tables that link the artifacts
 
 
-def render(text: str) -> str:
+def artifacts_link(file: str) -> str:
+    """The relative link prefix of docs/artifacts/ from ``file`` (relative to ROOT)."""
+    return posixpath.relpath("docs/artifacts", posixpath.dirname(file) or ".") + "/"
+
+
+def render(text: str, file: str = "README.md") -> str:
+    """``text`` (the contents of ``file``) with every table regenerated."""
     def repl(m: re.Match) -> str:
         name = m.group(1)
         if name not in TABLES:
-            raise SystemExit(f"readme_tables: unknown table {name!r} in README.md (known: {', '.join(TABLES)})")
-        return f"<!-- table:{name} -->\n{TABLES[name]()}\n<!-- /table:{name} -->"
+            raise SystemExit(f"readme_tables: unknown table {name!r} in {file} (known: {', '.join(TABLES)})")
+        body = LINKED[name](artifacts_link(file)) if name in LINKED else TABLES[name]()
+        return f"<!-- table:{name} -->\n{body}\n<!-- /table:{name} -->"
 
     return re.sub(r"<!-- table:(\w+) -->.*?<!-- /table:\1 -->", repl, text, flags=re.S)
 
 
 def main(argv: list[str]) -> int:
-    readme = ROOT / "README.md"
-    old = readme.read_text()
-    new = render(old)
-    if "--check" in argv:
+    stale = []
+    for name in FILES:
+        path = ROOT / name
+        old = path.read_text()
+        new = render(old, name)
         if new != old:
-            print("README.md tables are out of date: run python scripts/readme_tables.py", file=sys.stderr)
-            return 1
-        return 0
-    readme.write_text(new)
+            stale.append(name)
+            if "--check" not in argv:
+                path.write_text(new)
+    if "--check" in argv and stale:
+        print(f"tables out of date in {', '.join(stale)}: run python scripts/readme_tables.py", file=sys.stderr)
+        return 1
     return 0
 
 
