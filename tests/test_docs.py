@@ -175,18 +175,87 @@ def test_site_links_of_generated_pages_stay_links(pages) -> None:
     assert "](artifacts/bench_e2e.json)" in results and "](docs/artifacts/" not in results
 
 
+def _nav_paths(nav) -> list[str]:
+    """Every page path of a mkdocs ``nav`` (nested lists of ``title: path`` and bare paths)."""
+    if isinstance(nav, str):
+        return [nav]
+    if isinstance(nav, dict):
+        return [p for v in nav.values() for p in _nav_paths(v)]
+    return [p for item in nav or [] for p in _nav_paths(item)]
+
+
+def _config() -> dict:
+    yaml = pytest.importorskip("yaml")
+
+    return yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+
+
+def test_every_page_is_in_the_nav_or_not_in_nav(pages) -> None:
+    pathspec = pytest.importorskip("pathspec")  # mkdocs' own not_in_nav matcher
+
+    config = _config()
+    nav = _nav_paths(config["nav"])
+    hidden = pathspec.gitignore.GitIgnoreSpec.from_lines(config["not_in_nav"].splitlines())
+    sources = [p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")]
+    assert not set(pages) & set(sources), "a page is both generated and a file under docs/"
+    for page in [*pages, *sources]:
+        assert page in nav or hidden.match_file(page), f"{page} is neither in the nav nor in not_in_nav"
+    # and no nav entry names a page that nothing makes (the build below fails on one too)
+    missing = [p for p in nav if p not in pages and not (ROOT / "docs" / p).exists()]
+    assert not missing, f"nav entries without a page: {missing}"
+
+
+def test_readme_links_point_to_files() -> None:
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"(?<!!)\[[^\]]+\]\(([^)\s]+)\)", text)
+    assert len(links) > 20
+    for target in links:
+        if re.match(r"[a-z]+:", target):
+            continue
+        path = target.split("#")[0]
+        assert not path.startswith("/") and (ROOT / path).exists(), target
+    assert len(text.splitlines()) <= 250
+
+
 def test_readme_links_become_site_links(gen) -> None:
     text = "see [docs/study.md](docs/study.md), [x](src/mixrl/x.py), [`y`](examples/y), [w](https://a.b)"
     out = gen.relink(text, "guides/data.md")
     assert out == "see [docs/study.md](../study.md), `x`, `y`, [w](https://a.b)"
 
 
-@pytest.mark.skipif(shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None,
-                    reason="mkdocs is not installed (pip install -e '.[dev]')")
+_NO_MKDOCS = pytest.mark.skipif(shutil.which("mkdocs") is None and importlib.util.find_spec("mkdocs") is None,
+                                reason="mkdocs is not installed (pip install -e '.[dev]')")
+
+
+def _build(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
+
+
+@_NO_MKDOCS
 def test_site_builds_strictly(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300,
-                       env={**__import__("os").environ, "NO_MKDOCS_2_WARNING": "1"})
+    r = _build(["-q", "-d", str(tmp_path / "site")])
     assert r.returncode == 0, r.stderr[-3000:]
     page = (tmp_path / "site" / "reference" / "config" / "rollout" / "index.html").read_text()
     assert "rollout.group_size" in page
+
+
+@_NO_MKDOCS
+def test_a_dangling_nav_entry_fails_the_strict_build(tmp_path: Path) -> None:
+    """The same configuration with one nav entry that names no page: the strict build refuses it."""
+    import yaml
+
+    config = _config()
+    config["nav"].append({"Nowhere": "guides/no_such_page.md"})
+    # the copy lives in tmp_path: every path that is relative to the config file made absolute
+    config["docs_dir"], config["site_dir"] = str(ROOT / "docs"), str(tmp_path / "site")
+    config["hooks"] = [str(ROOT / h) for h in config["hooks"]]
+    for plugin in config["plugins"]:
+        if isinstance(plugin, dict) and "mkdocstrings" in plugin:
+            handler = plugin["mkdocstrings"]["handlers"]["python"]
+            handler["paths"] = [str(ROOT / p) for p in handler["paths"]]
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True))
+    r = _build(["-f", str(tmp_path / "mkdocs.yml")])
+    assert r.returncode != 0
+    assert "guides/no_such_page.md" in r.stderr and "not found in the documentation files" in r.stderr, r.stderr[-3000:]

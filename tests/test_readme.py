@@ -1,4 +1,5 @@
-"""The README's result tables are exactly what the committed artifacts say (scripts/readme_tables.py)."""
+"""The result tables of the README and the docs pages are exactly what the committed artifacts say
+(scripts/readme_tables.py)."""
 
 from __future__ import annotations
 
@@ -97,3 +98,45 @@ def test_every_committed_benchmark_artifact_has_a_headline_row() -> None:
 
     for path in sorted((ROOT / "docs" / "artifacts").glob("bench_*.json")):
         assert rows(path.stem.removeprefix("bench_"), json.loads(path.read_text())["result"]), path.name
+
+
+def test_every_file_with_tables_is_rendered_and_checked() -> None:
+    mod = _tables(ROOT / "docs" / "artifacts")
+    holders = {str(p.relative_to(ROOT)) for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+               if "<!-- table:" in p.read_text()}
+    assert holders == set(mod.FILES), f"files with tables that readme_tables.py does not render: {holders ^ set(mod.FILES)}"
+    readme = (ROOT / "README.md").read_text()
+    for name in ("make_run", "eval", "headlines"):  # the README keeps its headline tables
+        assert f"<!-- table:{name} -->" in readme, name
+
+
+def test_artifact_links_are_relative_to_the_file_that_holds_the_table(tmp_path: Path) -> None:
+    mod = _tables(tmp_path)
+    _artifact(tmp_path / "bench_e2e.json", "mixrl bench e2e --json", {"mixrl_over_trl": 2.5}, ["avx2"])
+    text = "<!-- table:bench -->\n<!-- /table:bench -->"
+    assert "[e2e](docs/artifacts/bench_e2e.json)" in mod.render(text, "README.md")
+    assert "[e2e](artifacts/bench_e2e.json)" in mod.render(text, "docs/results.md")
+    assert "[e2e](../artifacts/bench_e2e.json)" in mod.render(text, "docs/guides/x.md")
+
+
+def test_the_headline_table_keeps_the_figures_with_a_goal(tmp_path: Path) -> None:
+    mod = _tables(tmp_path)
+    _artifact(tmp_path / "bench_e2e.json", "mixrl bench e2e --json",
+              {"mixrl_over_trl": 2.5, "async_over_sync": 1.2}, ["avx2"])
+    _artifact(tmp_path / "bench_serve.json", "mixrl bench serve --json",
+              {"endpoint_over_direct": 0.9, "server_cpu_ms_per_request": 0.3}, ["avx2"])
+    full, head = mod.table_bench(), mod.table_headlines("artifacts/")
+    assert "server_cpu_ms_per_request" in full and "server_cpu_ms_per_request" not in head  # no goal
+    assert "`endpoint_over_direct`" in head and "`mixrl_over_trl`" in head and "Full results" not in head
+    assert "](artifacts/bench_serve.json)" in head
+
+
+def test_a_stale_table_in_a_docs_page_fails_the_check(tmp_path: Path) -> None:
+    mod = _tables(ROOT / "docs" / "artifacts")
+    page = tmp_path / "docs" / "page.md"
+    page.parent.mkdir()
+    page.write_text("# p\n\n<!-- table:eval -->\nstale\n<!-- /table:eval -->\n")
+    (tmp_path / "README.md").write_text("no tables\n")
+    mod.ROOT, mod.FILES = tmp_path, ("README.md", "docs/page.md")
+    assert mod.main(["--check"]) == 1 and "stale" in page.read_text()
+    assert mod.main([]) == 0 and "stale" not in page.read_text() and mod.main(["--check"]) == 0
