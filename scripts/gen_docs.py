@@ -193,6 +193,12 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+def _path_cell(path: str) -> str:
+    """A field path as code that may wrap only after a dot and before a bracket (``<wbr>``), so
+    long paths fit a narrow column without breaking a name; copying it gives the path unchanged."""
+    escaped = path.replace("&", "&amp;").replace("<", "&lt;")
+    return "<code>" + re.sub(r"(?<=\.)|(?=\[)", "<wbr>", escaped).removeprefix("<wbr>") + "</code>"
+
 
 def config_page(name: str) -> str:
     title, parts = config_sections()[name]
@@ -204,7 +210,8 @@ def config_page(name: str) -> str:
         for fd in model_fields(model, prefix):
             what = fd.description or ("selects this variant" if fd.path.endswith("].type") else "—")
             # a pipe inside a code span is not a cell border (Python-Markdown); elsewhere it is escaped
-            lines.append(f"| `{fd.path}` | `{fd.type}` | `{fd.default}` | {_cell(fd.bounds) or '—'} | {_cell(what)} |")
+            lines.append(f"| {_path_cell(fd.path)} | `{fd.type}` | `{fd.default}` | {_cell(fd.bounds) or '—'} | "
+                         f"{_cell(what)} |")
         lines.append("")
     if name == "loss":
         from mixrl.config.presets import PRESETS

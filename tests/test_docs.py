@@ -64,9 +64,10 @@ def _documented(pages: dict[str, str]) -> dict[str, list[str]]:
     for name, text in pages.items():
         if name.startswith("reference/config/") and name != "reference/config/index.md":
             for line in text.splitlines():
-                m = re.match(r"\| `([^`]+)` \| (.*) \|$", line)
+                m = re.match(r"\| <code>(.+?)</code> \| (.*) \|$", line)
                 if m:
-                    rows[m.group(1)] = _cells(m.group(2))
+                    path = m.group(1).replace("<wbr>", "").replace("&lt;", "<").replace("&amp;", "&")
+                    rows[path] = _cells(m.group(2))
     return rows
 
 
@@ -111,6 +112,13 @@ def test_each_field_row_states_type_default_bounds_description(pages) -> None:
     assert rows["rollout.top_p"][:3] == ["`float | None`", "`None`", "> 0, ≤ 1"]
     assert rows["fleet.groups[].name"][1] == "`required`"
     assert rows["fleet.autoscaler[type=inflight].target"][2] == "> 0, ≤ 2^16"
+
+
+def test_field_paths_wrap_only_between_names(gen) -> None:
+    """The path column may wrap after a dot and before a bracket, never inside a name (1280 px windows)."""
+    assert gen._path_cell("fleet.autoscaler[type=inflight].target") == (
+        "<code>fleet.<wbr>autoscaler<wbr>[type=inflight].<wbr>target</code>")
+    assert gen._path_cell("seed") == "<code>seed</code>" and gen._path_cell("a[]") == "<code>a<wbr>[]</code>"
 
 
 def test_every_config_section_has_its_page_and_index_row(pages) -> None:
@@ -238,7 +246,7 @@ def test_site_builds_strictly(tmp_path: Path) -> None:
     r = _build(["-q", "-d", str(tmp_path / "site")])
     assert r.returncode == 0, r.stderr[-3000:]
     page = (tmp_path / "site" / "reference" / "config" / "rollout" / "index.html").read_text()
-    assert "rollout.group_size" in page
+    assert "<code>rollout.<wbr>group_size</code>" in page  # the path, wrapping only between names
 
 
 @_NO_MKDOCS
