@@ -101,3 +101,35 @@ def test_no_split_metrics_no_figure(tmp_path):
     assert report.main(Namespace(dir=d, k=None, png=False)) == 0
     assert not (d / "figures" / "precision_lag.png").exists()
     assert "Precision vs lag" not in (d / "report.md").read_text()
+
+
+def test_the_group_bars_show_the_tables_numbers(tmp_path, monkeypatch):
+    """The per-group KL bars and the precision-vs-lag table are one number per group: token-weighted,
+    same estimator (recomputed here from what was recorded, in float64)."""
+    from mixrl.lab.study import plots
+
+    d = tmp_path / "async_run"
+    recorded = _write(d)
+    run = load_run(d)
+    drawn = {}
+    real_subplots = None
+
+    def spy(*a, **kw):
+        fig, axes = real_subplots(*a, **kw)
+        drawn["ax"] = axes[0]
+        return fig, axes
+
+    plt = plots._plt()
+    real_subplots = plt.subplots
+    monkeypatch.setattr(plt, "subplots", spy)
+    assert plots.plot_groups(run, tmp_path) is not None
+    heights = {t.get_text(): b.get_height() for t, b in zip(drawn["ax"].get_xticklabels(), drawn["ax"].patches,
+                                                              strict=True)}
+    table = {r["group"]: r["precision kl_exact"] for r in precision_lag_means(run)}
+    for g in GROUPS:
+        xs = recorded[(g, "precision")]
+        want = math.fsum(kl * t for _, kl, t in xs) / math.fsum(t for _, _, t in xs)
+        assert math.isclose(table[g], want, rel_tol=1e-12)
+        assert math.isclose(heights[g], want, rel_tol=1e-12), (g, heights[g], want)
+    unweighted = {g: sum(kl for _, kl, _ in recorded[(g, "precision")]) / len(recorded[(g, "precision")]) for g in GROUPS}
+    assert any(not math.isclose(unweighted[g], table[g], rel_tol=1e-3) for g in GROUPS)  # weighting matters here

@@ -97,12 +97,25 @@ def plot_curves(runs: list[Run], out: Path, window: int = 5) -> Path:
     return path
 
 
-def group_stats(run: Run) -> dict[str, dict[str, float]]:
-    """Per group, averaged over training: KL, share of samples, share of OOB tokens."""
+def group_kl(run: Run) -> tuple[dict[str, float], str]:
+    """Per group, the precision KL the report's table shows (``precision_lag_means``: token-weighted
+    over the run, the table's estimator), and its label; a run written before the precision/lag split
+    gives the step mean of ``kl_key``."""
+    est = split_estimator(run)
+    table = {str(r["group"]): r[f"precision {est}"] for r in precision_lag_means(run)}
+    if any(isinstance(v, float) and math.isfinite(v) for v in table.values()):
+        return {g: float(v) if isinstance(v, float) else math.nan for g, v in table.items()}, f"precision {est}"
     k = kl_key(run)
+    return {g: run.mean(f"{k}/{g}") for g in run.groups()}, k.replace("/", " ")
+
+
+def group_stats(run: Run) -> dict[str, dict[str, float]]:
+    """Per group, averaged over training: KL (``group_kl``), share of samples, share of OOB tokens."""
+    k = kl_key(run)
+    kl = group_kl(run)[0]
     return {
         g: {
-            "kl": run.mean(f"{k}/{g}"),
+            "kl": kl.get(g, math.nan),
             "share_samples": run.mean(f"share/samples/{g}"),
             "share_oob": run.mean(f"share/oob_tokens/{g}"),
             "ratio_oob": run.mean(f"{k.split('/')[0]}/ratio_oob/{g}"),
@@ -118,8 +131,9 @@ def plot_groups(run: Run, out: Path) -> Path | None:
     plt = _plt()
     names = sorted(stats, key=lambda g: -_nz(stats[g]["kl"]))
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 4.5))
-    a1.bar(names, [_nz(stats[g]["kl"]) for g in names], color="tab:red")
-    a1.set_title(f"{run.name}: sampler-trainer KL per group ({kl_key(run).replace('/', ' ')})")
+    bars = a1.bar(names, [_nz(stats[g]["kl"]) for g in names], color="tab:red")
+    a1.bar_label(bars, labels=[f"{stats[g]['kl']:.3g}" if math.isfinite(stats[g]["kl"]) else "n/a" for g in names])
+    a1.set_title(f"{run.name}: sampler-trainer KL per group ({group_kl(run)[1]}, token-weighted as in the table)")
     x = range(len(names))
     a2.bar([i - 0.2 for i in x], [_nz(stats[g]["share_samples"]) for g in names], 0.4,
            label="share of samples")
