@@ -43,6 +43,7 @@ from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.sampling import factory
 from mixrl.sampling.builtin.engine import request_seed
 from mixrl.sampling.profiles import get_profile, load_profiles, with_overrides
+from mixrl.system.jsonout import json_text
 
 METRICS = (
     "mismatch/kl_k1",
@@ -379,7 +380,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"mixrl probe: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"profiles": rows, "skipped": skipped}))
+        print(json_text({"profiles": rows, "skipped": skipped}))
     else:
         print_table(rows)
         for name, why in skipped.items():

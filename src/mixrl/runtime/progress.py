@@ -1,7 +1,8 @@
-"""A rich progress bar: step, reward, KL, staleness, time."""
+"""A rich progress bar on stderr (stdout is the command's result: ``--json``): step, reward, KL, staleness, time."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 # Precision KL (staleness-0 tokens) first; in async runs most steps have none, and then the
@@ -14,6 +15,7 @@ class ProgressBar:
         self.enabled = enabled
         if not enabled:
             return
+        from rich.console import Console
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -24,7 +26,7 @@ class ProgressBar:
 
         self._p = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"),
+            TextColumn("{task.fields[info]}"), console=Console(stderr=True),
         )
         self._task = self._p.add_task("train", total=total, completed=start, info="waiting for the first batch")
         self._p.start()
@@ -45,7 +47,7 @@ class ProgressBar:
         if self.enabled:
             self._p.console.print(text)
         else:
-            print(text, flush=True)
+            print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.enabled:

@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.records.run_dir import RunDir
+from mixrl.system.jsonout import json_text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -334,9 +335,9 @@ def main(args: argparse.Namespace) -> int:
             print(f"mixrl bench e2e: {e}", file=sys.stderr)
             return 2
     if args.json:
-        print(json.dumps(res, default=float))
+        print(json_text(res))
     else:
-        print(json.dumps(res, indent=2, default=float))
+        print(json_text(res, indent=2))
     return 0
 
 

@@ -42,6 +42,8 @@ import sys
 import time
 from typing import Any
 
+from mixrl.system.jsonout import json_text
+
 SEQ_LEN, GROUP, NOISE = 256, 8, 0.05
 
 
@@ -236,7 +238,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     res = run(args)
     if args.json:
-        print(json.dumps(res))
+        print(json_text(res))
         return 0
     for k, v in res.items():
         print(f"{k:22s} {v:.4g}" if isinstance(v, float) else f"{k:22s} {v}")

@@ -23,9 +23,10 @@ left is the precision mismatch inside each expert.
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from typing import Any
+
+from mixrl.system.jsonout import json_text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -107,7 +108,7 @@ def main(args: argparse.Namespace) -> int:
         prompts = torch.randint(0, 256, (args.prompts, args.prompt_len), generator=g).tolist()
         res = measure(d, args.profile, prompts, args.new_tokens)
     if args.json:
-        print(json.dumps(res))
+        print(json_text(res))
     else:
         for k, v in res.items():
             print(f"{k:18s} {v}")

@@ -86,15 +86,16 @@ they are null and ``vllm_note`` says why (also when vLLM cannot run the model, o
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import re
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from mixrl.lab.bench.fixtures import REFERENCE
+from mixrl.system.jsonout import json_text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -441,25 +442,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     if args.threads < 0:
-        print(f"mixrl bench sampler: --threads must be >= 0, got {args.threads}")
+        print(f"mixrl bench sampler: --threads must be >= 0, got {args.threads}", file=sys.stderr)
         return 2
     args.threads = args.threads or None  # 0 -> torch's default
     for name in ("batch", "prompt_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
-            print(f"mixrl bench sampler: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+            print(f"mixrl bench sampler: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
             return 2
     if args.workload == "multiturn":
         from mixrl.lab.bench import sampler_reuse
 
         bad = sampler_reuse.check(args)
         if bad:
-            print(f"mixrl bench sampler: {bad}")
+            print(f"mixrl bench sampler: {bad}", file=sys.stderr)
             return 2
         out = sampler_reuse.run(args)
     else:
         out = run(args)
     if args.json:
-        print(json.dumps(out))
+        print(json_text(out))
     else:
         for k, v in out.items():
             print(f"{k:32s} {v}")

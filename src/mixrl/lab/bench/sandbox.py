@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import os
 import statistics
 import subprocess
@@ -37,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from mixrl.system.jsonout import json_text
 
 GOAL_MS = 50.0
 
@@ -213,7 +214,7 @@ def main(args: argparse.Namespace) -> int:
     res = asyncio.run(measure(args.repeats, args.concurrency, args.task, not args.no_grade, args.root,
                               args.grade_repeats, args.grade_baseline))
     if args.json:
-        print(json.dumps(res))
+        print(json_text(res))
         return 0
     p, e, r, c = res["plain"], res["episode"], res["run"], res["concurrent"]
     print(f"plain subprocess        median {p['median_ms']:7.2f} ms   p90 {p['p90_ms']:7.2f} ms")

@@ -65,12 +65,14 @@ import functools
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Any
 
 from mixrl.lab.bench import serve_hostile
 from mixrl.lab.bench.fixtures import random_model, shape
 from mixrl.lab.bench.stats import load_summary, median_interval, round_medians
+from mixrl.system.jsonout import json_text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -240,7 +242,6 @@ _CLIENTS = {"lean": _lean_clients, "openai": _openai_clients}
 
 
 async def _endpoint(chat: Any, sampler: Any, args: argparse.Namespace, kind: str = "lean") -> dict[str, float]:
-    import sys
 
     import uvicorn
 
@@ -428,7 +429,7 @@ def main(args: argparse.Namespace) -> int:
         return 0
     for name in ("sessions", "turns", "max_tokens", "long_max_tokens", "repeats", "long_repeats"):
         if getattr(args, name) < 1:
-            print(f"mixrl bench serve: --{name.replace('_', '-')} must be >= 1", flush=True)
+            print(f"mixrl bench serve: --{name.replace('_', '-')} must be >= 1", flush=True, file=sys.stderr)
             return 2
     if args.hostile:
         return serve_hostile.main(args)
@@ -437,7 +438,7 @@ def main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.idle_ms is not None and args.idle_ms < 0 or args.max_wait_ms < 0:
-        print("mixrl bench serve: --max-wait-ms and --idle-ms must be >= 0", flush=True)
+        print("mixrl bench serve: --max-wait-ms and --idle-ms must be >= 0", flush=True, file=sys.stderr)
         return 2
     try:
         for spec in (args.model, args.long_model):
@@ -449,10 +450,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         if not str(e).startswith("--"):
             raise
-        print(f"mixrl bench serve: {e}", flush=True)
+        print(f"mixrl bench serve: {e}", flush=True, file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(res))
+        print(json_text(res))
     else:
         for k, v in res.items():
             print(f"{k:24s} {v}")

@@ -48,6 +48,8 @@ import time
 from collections import Counter
 from typing import Any
 
+from mixrl.system.jsonout import json_text
+
 KEY = "bench"
 KINDS = ("quiet", "long_replies", "hostile")  # the rounds, interleaved
 CHAT = "/v1/chat/completions"
@@ -357,7 +359,7 @@ def main(args: argparse.Namespace) -> int:
     """``mixrl bench serve --hostile``: checked flags, then ``run``; exit 2 naming a bad flag."""
     if args.hostile_rounds < 1 or not args.hostile_seconds > 0 or not args.hostile_pause >= 0:
         print("mixrl bench serve: --hostile-rounds must be >= 1, --hostile-seconds > 0, --hostile-pause >= 0",
-              flush=True)
+              flush=True, file=sys.stderr)
         return 2
     from mixrl.serve.app import loop_runner
 
@@ -366,10 +368,10 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         if not str(e).startswith("--"):
             raise
-        print(f"mixrl bench serve: {e}", flush=True)
+        print(f"mixrl bench serve: {e}", flush=True, file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(res))
+        print(json_text(res))
     else:
         for k, v in res.items():
             print(f"{k:24s} {v}")

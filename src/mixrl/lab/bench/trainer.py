@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.lab.bench.trainer_dist import batch_of, measure_fsdp, measure_lora, run_config
+from mixrl.system.jsonout import json_text
 
 SIZES = (128, 512, 1024)
 
@@ -314,7 +315,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"mixrl bench trainer: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(res))
+        print(json_text(res))
         return 0
     for k, v in res.items():
         print(f"{k:26s} {v:.4g}" if isinstance(v, float) else f"{k:26s} {v}")

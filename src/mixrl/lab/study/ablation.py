@@ -160,7 +160,7 @@ def main(out: Path, top_p: float | None = None, jobs: int = 2) -> int:
             return 2
         print(f"scored {score_top_p(Path(out), top_p, jobs)} final policies inside top-p {top_p}", flush=True)
     if not any((Path(out) / "data").glob("*/*/seed*.json")):
-        print(f"mixrl compare: no data files under {Path(out) / 'data'}", flush=True)
+        print(f"mixrl compare: no data files under {Path(out) / 'data'}", flush=True, file=sys.stderr)
         return 2
     res = judge(Path(out))
     (Path(out) / "ablation.json").write_text(json.dumps(res, indent=1, default=float) + "\n")

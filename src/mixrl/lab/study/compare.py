@@ -398,6 +398,6 @@ def tables(out: Path, config: Path | None) -> int:
     if runs and any(split_fleet(r.fleet)[1] == "sync" and r.fleet != REFERENCE_FLEET for r in runs):
         design.main(out, study)
     elif not runs and not list(out.glob("*/*/seed*/metrics.jsonl")):
-        print(f"mixrl compare: no data files under {out / 'data'} and no runs under {out}", flush=True)
+        print(f"mixrl compare: no data files under {out / 'data'} and no runs under {out}", file=sys.stderr, flush=True)
         return 2
     return report.main(argparse.Namespace(dir=out, k=None), study)

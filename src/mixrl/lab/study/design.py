@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -323,7 +324,7 @@ def main(out: Path, study: dict[str, Any]) -> int:
     """``mixrl compare --recompute OUT``: judge from ``OUT/data``; writes design.json and design.md."""
     runs = studydata.load(Path(out))
     if not runs:
-        print(f"mixrl compare: no data files under {Path(out) / 'data'}", flush=True)
+        print(f"mixrl compare: no data files under {Path(out) / 'data'}", flush=True, file=sys.stderr)
         return 2
     res = judge(runs, study)
     (Path(out) / "design.json").write_text(json.dumps(res, indent=1, default=float))

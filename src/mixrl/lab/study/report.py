@@ -12,6 +12,7 @@ import base64
 import html
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -296,12 +297,12 @@ def main(args: argparse.Namespace, study: dict[str, Any] | None = None) -> int:
 
         study = study_table(saved_config(dir_))
     if not dir_.is_dir():
-        print(f"mixrl report: {dir_} is not a directory")
+        print(f"mixrl report: {dir_} is not a directory", file=sys.stderr)
         return 2
     try:
         rep = build(dir_, args.k, study)
     except FileNotFoundError as e:
-        print(f"mixrl report: {e}")
+        print(f"mixrl report: {e}", file=sys.stderr)
         return 2
     k = rep["k"]
     (dir_ / "report.md").write_text(markdown(dir_, rep, k))
