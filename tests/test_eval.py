@@ -106,7 +106,7 @@ def test_evaluate_end_to_end_and_cli_json(mini_model, capsys) -> None:
                       env_options={"max_turns": 1})
     assert one["mean_turns"] == 1.0  # env options reach make_env
     assert ev.main(p.parse_args([str(mini_model), "--k", "3", "--n", "2"])) == 2
-    assert "k=3, n=2" in capsys.readouterr().out
+    assert "k=3, n=2" in capsys.readouterr().err
 
 
 def test_eval_is_deterministic_given_the_seed(tmp_path) -> None:
@@ -134,17 +134,30 @@ def test_eval_is_deterministic_given_the_seed(tmp_path) -> None:
 
 def test_evaluation_keeps_the_reasons_of_samples_without_reward(mini_model, monkeypatch, caplog) -> None:
     from mixrl.rollout import evaluate as ev
+    from mixrl.rollout.failures import EpisodesFailed
     from mixrl.sampling.batching import BatchingSampler
+
+    real = BatchingSampler.generate
+
+    async def second_sample_gone(self, request):  # type: ignore[no-untyped-def]
+        if request.request_id.split("/")[-2] == "1":  # prompt_id/sample/turn
+            raise ConnectionError("replica gone")
+        return await real(self, request)
+
+    monkeypatch.setattr(BatchingSampler, "generate", second_sample_gone)
+    with caplog.at_level("WARNING", logger="mixrl.rollout.evaluate"):
+        r = ev.evaluate(mini_model, k=1, n=2, n_tasks=3, seed=0, max_new_tokens=4, num_threads=1)
+    assert r["status"]["infra_failed"] == 3 and sum(r["status"].values()) == 6 and r["n_tasks"] == 3
+    assert r["errors"] == {"generate raised ConnectionError: replica gone": 3}
+    assert "3 of 6 samples have no reward" in caplog.text and "replica gone" in caplog.text
 
     async def gone(self, request):  # type: ignore[no-untyped-def]
         raise ConnectionError("replica gone")
 
     monkeypatch.setattr(BatchingSampler, "generate", gone)
-    with caplog.at_level("WARNING", logger="mixrl.rollout.evaluate"):
-        r = ev.evaluate(mini_model, k=1, n=2, n_tasks=3, seed=0, max_new_tokens=4, num_threads=1)
-    assert r["status"] == {"infra_failed": 6} and r["n_tasks"] == 0 and math.isnan(r["pass@1"])
-    assert r["errors"] == {"generate raised ConnectionError: replica gone": 6}
-    assert "6 of 6 samples have no reward" in caplog.text and "replica gone" in caplog.text
+    with pytest.raises(EpisodesFailed, match=r"infra_failed 6 of 6.*replica gone") as e:  # nothing measured: no score
+        ev.evaluate(mini_model, k=1, n=2, n_tasks=3, seed=0, max_new_tokens=4, num_threads=1)
+    assert not e.value.user  # the host's failure, not the user's code
 
 
 def test_eval_samples_inside_the_nucleus_it_is_given(tmp_path, capsys, monkeypatch) -> None:
@@ -178,4 +191,4 @@ def test_eval_samples_inside_the_nucleus_it_is_given(tmp_path, capsys, monkeypat
     p = argparse.ArgumentParser()
     ev.configure(p)
     assert ev.main(p.parse_args([str(tmp_path), "--k", "1", "--tasks", "1", "--top-p", "0"])) == 2
-    assert "top_p must be in (0, 1]" in capsys.readouterr().out
+    assert "top_p must be in (0, 1]" in capsys.readouterr().err

@@ -12,7 +12,6 @@ run's ``rollout`` and ``env.options``, as the run's own final evaluation does.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from mixrl.data import DataError
 from mixrl.envs.registry import activate
 from mixrl.envs.rewards import RewardError
 from mixrl.records.run_dir import RunDir
+from mixrl.system.jsonout import json_text
 from mixrl.system.quiet import silence_libraries
 
 
@@ -66,7 +66,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     res["config"] = str(path)
     if args.json:
-        print(json.dumps(res, default=float))
+        print(json_text(res))
         return 0
     print(_table(res))
     return 0

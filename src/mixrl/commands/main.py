@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 from mixrl.config import ConfigError
@@ -28,13 +29,25 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def version() -> str:
+    """The installed distribution's version (a source tree that is not installed: "unknown")."""
+    try:
+        return importlib.metadata.version("mixrl")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def main(argv: list[str] | None = None) -> int:
     install_filters()
     argv = list(sys.argv[1:] if argv is None else argv)
     top = argparse.ArgumentParser(prog="mixrl", description=__doc__.splitlines()[0])
+    top.add_argument("-V", "--version", action="store_true", help="print mixrl's version and exit")
     sub = top.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_) in COMMANDS.items():
         sub.add_parser(name, help=help_, add_help=False)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(f"mixrl {version()}")
+        return 0
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         top.parse_args(argv)  # prints help or a clean "invalid choice" error
         top.print_help()

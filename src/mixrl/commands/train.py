@@ -31,7 +31,9 @@ from mixrl.config import ConfigError, load_config, resolve_paths, to_toml
 from mixrl.data import DataError
 from mixrl.envs.rewards import RewardError
 from mixrl.records.run_dir import RunDir
-from mixrl.runtime.inputs import InputsChanged
+from mixrl.rollout.failures import EpisodesFailed
+from mixrl.runtime.inputs import InputsChanged, check_unchanged, describe_inputs
+from mixrl.system.jsonout import json_text
 from mixrl.system.quiet import silence_libraries
 from mixrl.telemetry.sinks import SinkUnavailable
 
@@ -96,17 +98,21 @@ def main(args: argparse.Namespace) -> int:
     resolve_paths(cfg, Path(path).resolve().parent if path is not None else None)
 
     try:  # the preset, profiles, environment, data and rewards are config too: check them before anything heavy
-        from mixrl.envs.registry import activate
+        from mixrl.envs.registry import activate, try_rewards
         from mixrl.runtime.run import group_profiles, resolve_loss
 
         loss_cfg, derived = resolve_loss(cfg)
         group_profiles(cfg)
-        activate(cfg)
+        active = activate(cfg)
         from mixrl.models.loading import check_model
 
         model_dir = check_model(cfg.model.path, cfg.model.chat_template)  # resolves, names what is missing
     except (ConfigError, DataError, RewardError, ValueError) as e:
         return _fail("invalid config: " + "; ".join(str(e).splitlines()))
+    try:  # the reward functions on real rows: one that cannot score a reply fails before any work
+        try_rewards(cfg, active)
+    except RewardError as e:
+        return _fail(str(e).splitlines()[0])
     if args.dry_run:
         _print_safely("# mixrl train: resolved config (--dry-run)\n" + to_toml(cfg) + "\n\n# derived (not settable)\n"
                       f"# {json.dumps(derived.__dict__)}\n# loss = {loss_cfg.model_dump_json()}\n# model = {model_dir}")
@@ -115,7 +121,35 @@ def main(args: argparse.Namespace) -> int:
     problem = _check_run_dir(run_dir, bool(args.resume), args.overwrite)
     if problem:
         return _fail(problem)
+    done = RunDir(run_dir).complete_checkpoints() if args.resume else []
+    if done and done[-1][0] >= cfg.runtime.steps:  # nothing left to train: say so, do no work
+        try:  # a changed model or dataset is said first, as for a run that continues
+            check_unchanged(run_dir, describe_inputs(cfg, str(model_dir)))
+        except InputsChanged as e:
+            return _fail(str(e))
+        out = finished_summary(run_dir, done[-1][0], cfg.runtime.steps)
+        _print_safely(json_text(out, indent=2) if args.json else "\n".join(
+            [f"the run in {run_dir} is finished: {out['steps']} of {cfg.runtime.steps} updates; nothing to do",
+             "next: " + "   ".join(out["next"])]))
+        return 0
     return _train(cfg, args, run_dir)
+
+
+def finished_summary(run_dir: Path, step: int, steps: int) -> dict[str, Any]:
+    """What ``--resume`` of a run that has trained all its updates prints (no work is done)."""
+    return {"steps": step, "finished": True, "run_dir": str(run_dir),
+            "next": [f"mixrl train --resume {run_dir} --set runtime.steps={max(2 * step, steps + 1)}",
+                     *hints(run_dir, interrupted=False)]}
+
+
+def hints(run_dir: Path, interrupted: bool) -> list[str]:
+    """The commands that apply to ``run_dir`` now: an interrupted run has no final policy yet."""
+    if interrupted:
+        return [f"mixrl train --resume {run_dir}", f"mixrl report {run_dir}"]
+    out = [f"mixrl report {run_dir}"]
+    if (run_dir / "policy").is_dir():
+        out.append(f"mixrl eval {run_dir / 'policy'} --k 4")
+    return out
 
 
 def _train(cfg: Any, args: argparse.Namespace, run_dir: Path) -> int:
@@ -130,6 +164,9 @@ def _train(cfg: Any, args: argparse.Namespace, run_dir: Path) -> int:
         return 130
     except (ConfigError, DataError, RewardError, InputsChanged, SinkUnavailable, FileNotFoundError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except EpisodesFailed as e:  # nothing to learn from: the run's own code (2) or the host (1) failed
+        print(f"mixrl train: {str(e).splitlines()[0]} — details in {RunDir(run_dir).log}", file=sys.stderr)
+        return 2 if e.user else 1
     except Exception as e:
         from mixrl.runtime.run import start_log
 
@@ -140,7 +177,7 @@ def _train(cfg: Any, args: argparse.Namespace, run_dir: Path) -> int:
         print(f"mixrl train: internal error: {type(e).__name__}: {first} (traceback in {log})", file=sys.stderr)
         return 1
     out = run_summary(summary, cfg)
-    _print_safely(json.dumps(out, indent=2, default=float) if args.json else format_summary(out))
+    _print_safely(json_text(out, indent=2) if args.json else format_summary(out))
     return 130 if summary.get("interrupted") else 0
 
 
@@ -158,15 +195,14 @@ def run_summary(summary: dict[str, Any], cfg: Any) -> dict[str, Any]:
                        "gain": ev.get("gain")}
     elif "eval_skipped" in summary:
         out["eval"] = {"skipped": summary["eval_skipped"]}
-    policy = run_dir / "policy"
-    out["next"] = [f"mixrl report {run_dir}", f"mixrl eval {policy} --k 4"]
+    out["next"] = hints(run_dir, bool(summary.get("interrupted")))
     return out
 
 
 def format_summary(out: dict[str, Any]) -> str:
     lines = [f"done: {out.get('steps', 0)} updates in {_dur(out.get('wall_s', 0.0))}, "
              f"{out.get('samples_per_s', 0.0):.1f} samples/s"
-             + ("  (interrupted: checkpoint saved)" if out.get("interrupted") else "")]
+             + ("  (interrupted: checkpoint saved; continue with --resume)" if out.get("interrupted") else "")]
     ev = out.get("eval")
     if ev and "skipped" in ev:
         lines.append(f"held-out: skipped ({ev['skipped']})")

@@ -149,6 +149,10 @@ def resolve_paths(cfg: Any, base: Path | None) -> None:
 
     if cfg.env.name.startswith("openai_agent:"):  # openai_agent:PATH.py:FUNCTION
         cfg.env.name = "openai_agent:" + fn(cfg.env.name[len("openai_agent:"):])
+    elif ":" not in cfg.env.name and cfg.env.name.endswith(".py"):  # a file: refused with its classes named
+        cfg.env.name = _resolve_path(cfg.env.name, base)
+    elif not cfg.env.name.startswith(("verifiers:", "openai_agent:")):  # PATH.py:Class, an Env in a file
+        cfg.env.name = fn(cfg.env.name)
     if cfg.env.name.startswith("verifiers:") and cfg.env.name.endswith(".py"):  # verifiers:PATH.py
         cfg.env.name = "verifiers:" + _resolve_path(cfg.env.name[len("verifiers:"):], base)
     if cfg.reward.function is not None:

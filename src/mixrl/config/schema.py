@@ -288,6 +288,9 @@ class RewardConfig(_Section):
     function: str | None = Field(default=None, min_length=1, description='one reward function: "reward.py:exact_match" or "package.module:fn"')
     functions: list[str] = Field(default_factory=list, description="several reward functions (summed with weights)")
     weights: list[float] | None = Field(default=None, description="one weight per function (default 1 each)")
+    on_error: Literal["fail", "skip"] = Field(
+        default="fail", description='a reward function that raises or returns NaN/None: "fail" stops the run '
+        'with one line (exit 2); "skip" leaves the episode out (status reward_failed, counted)')
 
     @model_validator(mode="after")
     def _one_form(self) -> RewardConfig:

@@ -42,10 +42,11 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from mixrl.data import open_split
+from mixrl.data import has_heldout, open_split
 from mixrl.envs import calc, dataset, reverse, upper
 from mixrl.envs.base import Env
 from mixrl.envs.family import Active, Family
+from mixrl.envs.plugins import load_module
 from mixrl.envs.rewards import Rewards
 from mixrl.models.chat import ChatFormat
 from mixrl.records.task import Task
@@ -101,11 +102,9 @@ def _plugin(name: str, target: Any) -> Family:
 
 
 def _import_target(name: str) -> Any:
-    mod, _, attr = name.partition(":")
-    try:
-        obj: Any = importlib.import_module(mod)
-    except ImportError as e:
-        raise ValueError(f"env.name {name!r}: cannot import {mod} ({e})") from None
+    """``package.module:Class`` or ``path/to/file.py:Class`` -> the class (or factory)."""
+    mod, _, attr = name.rpartition(":")
+    obj: Any = load_module(mod, what=f"env.name {name!r}")
     for part in attr.split("."):
         if not hasattr(obj, part):
             raise ValueError(f"env.name {name!r}: {mod} has no {attr!r}")
@@ -113,6 +112,17 @@ def _import_target(name: str) -> Any:
     if not callable(obj):
         raise ValueError(f"env.name {name!r}: {attr} is not a class or factory")
     return obj
+
+
+def _env_classes(path: str) -> str:
+    """The Env subclasses a file defines, for the line that refuses the bare file ('Class' if none)."""
+    try:
+        module = load_module(path, what=f"env.name {path!r}")
+    except ValueError:
+        return "Class"
+    names = [k for k, v in vars(module).items()
+             if isinstance(v, type) and issubclass(v, Env) and v.__module__ == module.__name__]
+    return "|".join(names) or "Class"
 
 
 def get_family(name: str, options: dict[str, Any] | None = None) -> Family:
@@ -128,6 +138,10 @@ def get_family(name: str, options: dict[str, Any] | None = None) -> Family:
             return _PREFIXED_BUILT[key]
     if name not in FAMILIES and ":" in name:
         return _plugin(name, _import_target(name))
+    if name not in FAMILIES and name.endswith(".py"):
+        load_module(name, what=f"env.name {name!r}")  # not found / does not import: that line
+        raise ValueError(f"env.name {name!r} is a file: name the environment class in it, as "
+                         f"'{name}:{_env_classes(name)}'")
     if name not in FAMILIES:
         eps = _entry_points()
         if name in eps:
@@ -188,7 +202,7 @@ def activate(cfg: Any) -> Active:
 
     has_data = cfg.data.train is not None
     check_env(cfg.env.name, dict(cfg.env.options), has_data)
-    rewards = Rewards(cfg.reward.specs(), cfg.reward.weights) if cfg.reward.specs() else None
+    rewards = Rewards(cfg.reward.specs(), cfg.reward.weights, cfg.reward.on_error) if cfg.reward.specs() else None
     if cfg.env.name == "dataset" and rewards is None:
         raise ValueError('env.name "dataset" scores replies with reward functions: set reward.function')
     active = Active((cfg.data if has_data else None), rewards, dict(cfg.env.options), cfg.runtime.seed)
@@ -197,6 +211,20 @@ def activate(cfg: Any) -> Active:
         if rewards is not None:
             rewards.check_columns(src.columns)
     return active
+
+
+def try_rewards(cfg: Any, active: Active, rows: int = 2) -> None:
+    """Call the run's reward functions on its first ``rows`` train rows and first held-out row
+    (``Rewards.try_rows``); raises ``RewardError`` (one line) when one fails."""
+
+    if active.rewards is None or active.data is None:
+        return
+    for split, n in (("train", rows), ("heldout", 1)):
+        if split == "heldout" and not has_heldout(active.data):
+            continue
+        src = open_split(active.data, split, cfg.runtime.seed, cfg.env.name, active.split_seed)
+        tasks = [src.task(i) for i in range(min(n, len(src)))]
+        active.rewards.try_rows([(t.data[src.prompt_key], t.data) for t in tasks], split)
 
 
 class TaskSource:

@@ -14,15 +14,23 @@ Two signatures are accepted unchanged, told apart by the parameter names:
   ``ground_truth``, ``reward_model.ground_truth`` or ``answer`` column.
 
 The total reward is the weighted sum. A function that raises, or returns
-None / NaN for the item, fails the episode's reward: ``RewardFailed`` (the
-environment ends the episode with status ``reward_failed``, reward None, which
-is left out of advantages and counted, never scored 0). The first failure of
-each function is logged once, with its row index and traceback, to the
-``mixrl.reward`` logger (the run log).
+None / NaN / the wrong number of values for the item, fails the episode's
+reward: ``RewardFailed`` (the environment ends the episode with status
+``reward_failed``, reward None, which is left out of advantages and counted,
+never scored 0). The first failure of each function is logged once, with its
+row index and traceback, to the ``mixrl.reward`` logger (the run log). What
+the run does then is ``reward.on_error`` (``rollout.failures``): ``"fail"``
+(the default) stops it with that one line, ``"skip"`` leaves such episodes out.
+
+:meth:`Rewards.try_rows` calls every function on real dataset rows before a
+run starts (``mixrl train`` and ``--dry-run``): a function that cannot score
+an empty reply or a short one on those rows is refused there, as a
+``RewardError`` naming the function, the row and the error.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
@@ -35,6 +43,7 @@ from mixrl.envs.plugins import load_attr
 
 log = logging.getLogger("mixrl.reward")
 _VERL = ("solution_str", "ground_truth")
+PROBE_REPLIES = ("", "I think the answer is 42.")  # an empty reply and a plain one: both happen
 
 
 class RewardError(ValueError):
@@ -104,8 +113,9 @@ class RewardFunction:
         kw.update({"completions": [completion], "prompts": [prompt]})
         return kw if self.var_kw else {k: v for k, v in kw.items() if k in self.params}
 
-    async def score(self, completion: str, prompt: Any, row: dict[str, Any]) -> float:
-        """The function's reward for one completion; raises ``RewardFailed`` on an exception or a non-finite value."""
+    async def score(self, completion: str, prompt: Any, row: dict[str, Any], *, count: bool = True) -> float:
+        """The function's reward for one completion; raises ``RewardFailed`` on an exception or a non-finite value
+        (``count=False``: neither counted nor logged, the caller reports it)."""
         try:
             out = self.fn(**self._call_args(completion, prompt, row))
             if inspect.isawaitable(out):
@@ -123,19 +133,24 @@ class RewardFunction:
                 raise ValueError(f"returned {value}")
             return value
         except Exception as e:
+            if not count:
+                raise RewardFailed(f"reward function {self.spec!r} failed on row {row.get('_row')}: "
+                                   f"{type(e).__name__}: {e}") from e
             self.failures += 1
             if self.failures == 1:
                 log.error("reward function %s failed on row %s (first failure; later ones are only counted):\n%s",
                           self.spec, row.get("_row"), traceback.format_exc())
-            raise RewardFailed(f"{self.spec} on row {row.get('_row')}: {type(e).__name__}: {e}") from None
+            raise RewardFailed(f"reward function {self.spec!r} failed on row {row.get('_row')}: "
+                               f"{type(e).__name__}: {e}") from None
 
 
 class Rewards:
     """The configured reward functions; ``await rewards.score(completion, prompt, row)``."""
 
-    def __init__(self, specs: list[str], weights: list[float] | None = None) -> None:
+    def __init__(self, specs: list[str], weights: list[float] | None = None, on_error: str = "fail") -> None:
         ws = weights if weights is not None else [1.0] * len(specs)
         self.functions = [RewardFunction.load(s, w) for s, w in zip(specs, ws, strict=True)]
+        self.on_error = on_error  # reward.on_error: "fail" | "skip" (rollout.failures)
 
     def __bool__(self) -> bool:
         return bool(self.functions)
@@ -151,6 +166,22 @@ class Rewards:
         for f in self.functions:
             total += f.weight * await f.score(completion, prompt, row)
         return total
+
+    def try_rows(self, rows: list[tuple[Any, dict[str, Any]]], split: str) -> None:
+        """Call every function on each ``(prompt, row)`` with an empty and a short reply; a failure
+        raises ``RewardError`` (one line: the function, the split and row, the error)."""
+        async def run() -> None:
+            for prompt, row in rows:
+                for reply in PROBE_REPLIES:
+                    for f in self.functions:
+                        try:
+                            await f.score(reply, prompt, row, count=False)
+                        except RewardFailed as e:
+                            c = e.__cause__
+                            raise RewardError(f"reward function {f.spec!r} failed on {split} row {row.get('_row')} "
+                                              f"(reply {reply!r}): {type(c).__name__}: {c}") from c
+
+        asyncio.run(run())
 
     def failures(self) -> dict[str, int]:
         """Failed calls per function spec."""

@@ -10,8 +10,11 @@ The run writes them (``mixrl.runtime.run``, ``mixrl.telemetry.sinks``, ``mixrl.t
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
+
+_STEP = re.compile(r"^step_(\d{6,})$")  # a complete checkpoint's directory name
 
 
 @dataclass(frozen=True)
@@ -72,3 +75,11 @@ class RunDir:
 
     def checkpoint(self, step: int) -> Path:
         return self.checkpoints / f"step_{step:06d}"
+
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, directory) of every complete checkpoint (``meta.json`` is written last), oldest first."""
+        if not self.checkpoints.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.checkpoints.iterdir()
+                 if (m := _STEP.match(p.name)) and (p / "meta.json").is_file()]
+        return sorted(found)

@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -40,10 +41,12 @@ from mixrl.models.chat import ChatFormat
 from mixrl.models.policy import resolve
 from mixrl.records.generation import SamplingParams
 from mixrl.records.trajectory import UNREWARDED
+from mixrl.rollout.failures import check_episodes
 from mixrl.rollout.passk import mean_pass_at_k
 from mixrl.rollout.session import run_episode
 from mixrl.sampling.batching import BatchingSampler
 from mixrl.sampling.factory import make_engine
+from mixrl.system.jsonout import json_text
 from mixrl.system.seeds import stable_seed
 
 PRECISIONS = {"fp32": "fp32", "bf16": "bf16"}
@@ -218,7 +221,9 @@ def evaluate(
         finally:
             await sampler.close()
 
-    res = results(asyncio.run(run_all()), {t.prompt_id: t.family for t in tasks}, k)
+    trajs = asyncio.run(run_all())
+    check_episodes(trajs, getattr(active.rewards if active else None, "on_error", "fail"), "held-out evaluation")
+    res = results(trajs, {t.prompt_id: t.family for t in tasks}, k)
     import torch
 
     res.update({"n": n, "k": k, "task": task, "model": str(path), "weights_sha256": weights_digest(path),
@@ -250,10 +255,10 @@ def main(args: argparse.Namespace) -> int:
                        precision=args.precision, profile=args.profile, top_p=args.top_p,
                        max_new_tokens=args.max_new_tokens, num_threads=args.threads)
     except (ValueError, FileNotFoundError) as e:
-        print(f"mixrl eval: {e}")
+        print(f"mixrl eval: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(res))
+        print(json_text(res))
         return 0
     k = res["k"]
     print(f"{res['model']}  profile {res['profile']}  n={res['n']}  seed {res['seed']}  "

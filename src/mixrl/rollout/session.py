@@ -172,8 +172,8 @@ async def run_episode(
         return _finish(ep.traj, e.status, e.reward, e.error)
     except _InfraError as e:
         return _finish(ep.traj, "infra_failed", None, str(e))
-    except Exception as e:  # env.reset or replay failed: ours
-        return _finish(ep.traj, "infra_failed", None, f"{type(e).__name__}: {e}")
+    except Exception as e:  # env.reset or the replay into it failed: the environment's code, never the model's
+        return _finish(ep.traj, "infra_failed", None, f"env raised {type(e).__name__}: {e}")
     finally:
         ep.timings["total_s"] = time.perf_counter() - t_start
         for k, v in ep.timings.items():

@@ -50,6 +50,7 @@ from mixrl.records.generation import SamplingParams
 from mixrl.records.task import Task
 from mixrl.rollout.advantages import batch_advantages
 from mixrl.rollout.buffer import RolloutBuffer
+from mixrl.rollout.failures import check_episodes
 from mixrl.runtime import episodes
 from mixrl.runtime.checkpointing import save
 from mixrl.runtime.cpu import LoopCPU
@@ -249,6 +250,7 @@ class Orchestrator:
                     interrupted = True
                     break
                 t1 = time.perf_counter()
+                check_episodes([t for g in groups for t in g], self.cfg.reward.on_error, f"batch of update {self.step + 1}")
                 # advantages over what the trainer will train on (malformed left out, overlong handled)
                 trajs, adv, astats = batch_advantages(groups, self.loss_cfg, **self._screen)
                 tmetrics = await self.trainer.step(trajs, adv)
@@ -275,7 +277,7 @@ class Orchestrator:
                     self.sinks.batch(self.step, version, groups)
                 if self.cfg.observe.stop_on_collapse and self.monitor.collapsed:
                     print(f"collapse flagged at step {self.monitor.first_collapse_step} "
-                          "(observe.stop_on_collapse): stopping")
+                          "(observe.stop_on_collapse): stopping", file=sys.stderr)
                     break
                 ce = self.cfg.runtime.checkpoint_every
                 if ce and self.step % ce == 0 and self.step < self.cfg.runtime.steps:

@@ -183,11 +183,7 @@ def save_checkpoint(
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoint directories, oldest first."""
-    root = RunDir(run_dir).checkpoints
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)) and (p / "meta.json").is_file()]
-    return [p for _, p in sorted(found)]
+    return [p for _, p in RunDir(run_dir).complete_checkpoints()]
 
 
 def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
