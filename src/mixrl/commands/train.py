@@ -8,7 +8,8 @@ and reward files are taken from the config file's folder (then the current
 one). ``--resume RUN_DIR`` continues the run in RUN_DIR from its newest
 checkpoint with the config saved there (``--set`` may still change e.g.
 ``runtime.steps``), and refuses if the model or the data changed. A fresh run
-refuses a non-empty run directory unless ``--overwrite``. Ctrl-C saves a
+refuses a non-empty run directory unless ``--overwrite``, which deletes only a directory
+that ``mixrl train`` made (its ``.mixrl-run`` marker). Ctrl-C saves a
 checkpoint and exits with status 130. An internal error prints one line and
 the log holding its traceback (``RUN_DIR/run.log``), exit status 1.
 
@@ -56,9 +57,15 @@ def _fail(msg: str) -> int:
 
 
 def _check_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> str | None:
+    if run_dir.exists() and not run_dir.is_dir():
+        return f"observe.run_dir {run_dir} is a file, not a directory"
     if resume or not run_dir.exists() or not any(run_dir.iterdir()):
         return None
     if overwrite:
+        marker = RunDir(run_dir).marker
+        if run_dir.is_symlink() or not run_dir.is_dir() or not marker.is_file():
+            return (f"--overwrite: {run_dir} is not a run directory of mixrl train (no {marker.name} in it): "
+                    "nothing was deleted; choose another observe.run_dir, or remove it yourself")
         shutil.rmtree(run_dir)
         return None
     return (f"run directory {run_dir} is not empty (an earlier run?): "

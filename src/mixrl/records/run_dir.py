@@ -70,6 +70,12 @@ class RunDir:
         return self.root / "run.log"
 
     @property
+    def marker(self) -> Path:
+        """Written by ``mixrl train`` into every run directory it uses: ``--overwrite`` deletes only
+        a directory that has it."""
+        return self.root / ".mixrl-run"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 

@@ -255,6 +255,8 @@ def prepare_run_dir(cfg: RunConfig, run_dir: Path, payload: dict[str, Any] | Non
     if payload is not None:
         check_unchanged(run_dir, inputs)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not RunDir(run_dir).marker.exists():  # this directory is a run's from now on (--overwrite may replace it)
+        atomic_write_json(RunDir(run_dir).marker, {"created_by": "mixrl train", "unix_time": time.time()})
     start_log(run_dir)
     if payload is not None:
         for path in (RunDir(run_dir).metrics, RunDir(run_dir).batches):

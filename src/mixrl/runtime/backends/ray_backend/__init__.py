@@ -54,6 +54,8 @@ from mixrl.runtime.backends.ray_backend.actors import RankActor, SamplerActor, T
 from mixrl.runtime.backends.ray_backend.auth import (  # noqa: F401
     RayAuthError,
     check_cluster_token,
+    check_initialised,
+    private_token_file,
     require_token_mode,
 )
 from mixrl.runtime.backends.ray_backend.handles import RayRanks, RaySampler, RayTrainer
@@ -115,7 +117,8 @@ class RayBackend(Backend):
         return self._tied
 
     async def start(self) -> None:
-        if ray.is_initialized():
+        if ray.is_initialized():  # the caller's Ray (API use): it must be one with token authentication
+            check_initialised()
             return
         address = self.cfg.runtime.ray.address or os.environ.get("RAY_ADDRESS")
         require_token_mode()
@@ -123,6 +126,7 @@ class RayBackend(Backend):
             check_cluster_token(address)
             ray.init(address=address, include_dashboard=False, log_to_driver=False)
         else:
+            private_token_file()  # the token of the new cluster: 0600, before Ray writes one with the umask
             tmp = self._temp_dir = tempfile.mkdtemp(prefix="mixrl-ray-")
             ray.init(
                 num_cpus=self.cfg.runtime.ray.num_cpus or max(os.cpu_count() or 1, cpus_needed(self.cfg)),

@@ -3,14 +3,21 @@
 ``require_token_mode`` turns Ray's token mode on for this process and every process it
 starts; ``check_cluster_token`` asks a cluster's GCS to accept this process's token with
 one deadline-bound call, so a missing or wrong token is one clear ``RayAuthError`` line
-instead of Ray's reconnect warnings. Part of the Ray backend (``runtime.backends.ray_backend``), the only
+instead of Ray's reconnect warnings. ``private_token_file`` makes the token a new local
+cluster uses readable by its owner only (Ray itself writes ``~/.ray/auth_token`` with the
+process umask, 0644 by default); ``check_initialised`` refuses a Ray that the caller
+initialised without token authentication. Part of the Ray backend (``runtime.backends.ray_backend``), the only
 place that imports Ray.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import secrets
+import stat
+from pathlib import Path
 
 from mixrl.config import ConfigError
 
@@ -19,6 +26,7 @@ class RayAuthError(ConfigError):
     """The cluster cannot be joined with the token at hand (one line, names the variables)."""
 
 
+log = logging.getLogger("mixrl.ray")
 _TOKEN_VARS = "RAY_AUTH_TOKEN (the token) or RAY_AUTH_TOKEN_PATH (a file holding it)"
 _HOST_PORT = re.compile(r"^\[?[A-Za-z0-9.:-]+\]?:\d+$")
 
@@ -69,3 +77,56 @@ def check_cluster_token(address: str, timeout_s: float = 10.0) -> None:
                                    "to the cluster's token") from None
             raise RayAuthError(f"the Ray cluster at {address} did not answer within {timeout_s:g} s "
                                f"({e.code().name}): check runtime.ray.address / RAY_ADDRESS") from None
+
+
+def default_token_path() -> Path:
+    """Where Ray reads (and a new local cluster writes) its token when no variable names one."""
+    return Path.home() / ".ray" / "auth_token"
+
+
+def private_token_file() -> Path | None:
+    """The token file this process will use, readable by its owner only (mode 0600).
+
+    ``RAY_AUTH_TOKEN`` set: no file (None). ``RAY_AUTH_TOKEN_PATH`` set: that file must not be
+    readable by others (``RayAuthError``: one line, the mode and the fix; mixrl does not change
+    a file the user named). Else ``~/.ray/auth_token``: created here, 0600 in a 0700 folder,
+    before Ray would create it with the umask; an existing one readable by others is made 0600
+    (logged)."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return None
+    named = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if named:
+        path = Path(named)
+        if path.is_file() and path.stat().st_mode & 0o077:
+            mode = stat.S_IMODE(path.stat().st_mode)
+            raise RayAuthError(f"RAY_AUTH_TOKEN_PATH={named} is readable by others (mode {mode:04o}): "
+                               f"chmod 600 {named}")
+        return path
+    path = default_token_path()
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if mode & 0o077:
+            os.chmod(path, 0o600)
+            log.warning("%s was readable by others (mode %04o): made 0600", path, mode)
+        return path
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # as Ray's own: 64 hex characters
+    return path
+
+
+def check_initialised() -> None:
+    """A Ray the caller initialised (``ray.init()`` before mixrl) must run with token authentication."""
+    from ray._raylet import (  # type: ignore[attr-defined]
+        AuthenticationMode,
+        AuthenticationTokenLoader,
+        get_authentication_mode,
+    )
+
+    if get_authentication_mode() != AuthenticationMode.TOKEN or not AuthenticationTokenLoader.instance().has_token():
+        mode = os.environ.get("RAY_AUTH_MODE") or "unset"
+        raise RayAuthError(f"Ray was initialised without token authentication (RAY_AUTH_MODE={mode}): mixrl "
+                           f"runs Ray only with it; unset RAY_AUTH_MODE or set it to token (and {_TOKEN_VARS}) "
+                           "before ray.init(), or let mixrl start Ray")
