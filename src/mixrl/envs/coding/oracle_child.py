@@ -40,23 +40,44 @@ class TooLarge(Exception):
     pass
 
 
-def encode(v: Any, budget: list[int], depth: int = 0) -> Any:
+LOOSE_BASES = (int, float, str, bytes, list, tuple, dict, set, frozenset)
+
+
+def _base(v: Any) -> type:
+    """``type(v)``, or with ``loose`` the built-in base whose equality a subclass keeps
+    (a namedtuple is a tuple, an ``IntEnum`` an int; a class with its own ``__eq__`` is not)."""
+    t = type(v)
+    if t in LOOSE_BASES or t is bool:
+        return t
+    for b in LOOSE_BASES:
+        if isinstance(v, b) and t.__eq__ is b.__eq__:
+            return b
+    return t
+
+
+def encode(v: Any, budget: list[int], depth: int = 0, loose: bool = False) -> Any:
+    """``v`` as JSON with container types kept; ``loose``: subclasses that keep a built-in's
+    equality are encoded as that built-in (the pytest form compares with Python's ``==``)."""
     budget[0] -= 1
     if budget[0] < 0 or depth > 64:
         raise TooLarge
-    t = type(v)
-    if v is None or t in (bool, int, float, str):
+    t = _base(v) if loose else type(v)
+    if v is None or t is bool:
         return v
-    if t is list:
-        return [encode(x, budget, depth + 1) for x in v]
-    if t is tuple:
-        return {"t": [encode(x, budget, depth + 1) for x in v]}
+    if t is int:
+        return int.__int__(v)
+    if t is float:
+        return float.__float__(v)
+    if t is str:
+        return str.__str__(v)
+    if t in (list, tuple, set, frozenset):
+        items = [encode(x, budget, depth + 1, loose) for x in t.__iter__(v)]
+        return items if t is list else ({"t": items} if t is tuple else {"s": items})
     if t is dict:
-        return {"d": [[encode(k, budget, depth + 1), encode(x, budget, depth + 1)] for k, x in v.items()]}
-    if t in (set, frozenset):
-        return {"s": [encode(x, budget, depth + 1) for x in v]}
+        return {"d": [[encode(k, budget, depth + 1, loose), encode(x, budget, depth + 1, loose)]
+                      for k, x in dict.items(v)]}
     if t is bytes:
-        return {"b": v.hex()}
+        return {"b": bytes.hex(v)}
     return {"o": t.__name__}
 
 
