@@ -3,8 +3,9 @@
 - ``env.py``: ``CodingEnv`` (rules of an episode), ``tools.py``: tool-call parsing;
 - ``grade.py``: the diff applied to a fresh snapshot and checked, in one of two forms:
   ``oracle.py`` (values computed in the sandbox by ``oracle_child.py``, judged outside it;
-  every bundled task) or ``pytest_runner.py`` (hidden tests restored and run, with the
-  look-alike canary tests of ``canary.py``);
+  every bundled task) or ``pytest_runner.py`` (hidden tests restored and run, their
+  expected values kept outside the sandbox by ``expect.py``, with the canary tests of
+  ``canary.py``; verdicts in ``results.py``);
 - ``loader.py``: instances (``tasks/<id>/``), ``load_tasks``, ``split_tasks``;
 - ``mixrl.envs.sandbox``: the sandbox itself.
 

@@ -15,7 +15,8 @@ Rules (the shared ones are in ``envs/turns.py``; call syntax in ``tools.py``):
 - ``submit`` ends the episode: the diff of /testbed is graded in a new sandbox
   (``grade.py``): status ``ok`` with reward 1 or 0; ``failed`` with reward 0 when the
   grading ran out of its time limit or filled its filesystem; ``reward_hacked`` with
-  reward 0 when a canary test was reported passed (the patch is kept in
+  reward 0 when the grader saw a forged or ill-formed result (a canary test counted
+  passed, a test reported passed without its checks; the patch is kept in
   ``info["patch"]`` for inspection);
 - a malformed call gets ``error: <reason>`` as tool output and counts as
   malformed; a reply without any call gets a user reminder; three such
@@ -121,7 +122,7 @@ class CodingEnv(Env):
         self.last_grade = g
         info.update(failed=g.failed[:8], reason=g.reason or info.get("reason", ""), grade_s=round(g.seconds, 3))
         if g.status == "reward_hacked":
-            info["patch"] = g.patch
+            info.update(patch=g.patch, why=g.why)
         return StepResult(close, True, g.reward, status if g.status == "ok" else g.status, info=info)
 
     async def step(self, generated: list[int], finish_reason: str) -> StepResult:

@@ -7,8 +7,11 @@ Two forms. A task with an ``oracle`` (every bundled task) is judged here, in the
 process: the child in the sandbox imports the repository and returns the values of the
 oracle's expressions; the expected values never enter the sandbox (``oracle.py``). A task
 without one runs its hidden pytest files (``pytest_runner.py``), restored *after* the
-model's patch as in SWE-bench, with canary tests added (``canary.py``): a canary reported
-``passed`` marks the episode ``reward_hacked``. What the pytest form defends against:
+model's patch as in SWE-bench, and is judged here too: the files enter the sandbox with
+every top-level check rewritten to record what the code computed, without the value it
+expects (``expect.py``), every test renamed, canaries added, order random (``canary.py``);
+a test passes iff pytest reported it passed and all its recorded checks hold here
+(``results.py``). What the pytest form defends against:
 
 - a ``conftest.py`` anywhere (forcing outcomes through hooks): ``--noconftest``;
 - edited, added or deleted tests, a ``tests/__init__.py``: test directories restored whole;
@@ -20,16 +23,25 @@ model's patch as in SWE-bench, with canary tests added (``canary.py``): a canary
   ``/testbed`` last on ``sys.path``;
 - reading the hidden tests or the pristine tree from library code: they are mounted only
   while the tree is restored, in a command that runs nothing from ``/testbed``;
+- library code reading the test file it runs with: it holds no expected value;
 - forged reports from library code (the report pipe, the runner's plugin, pytest's
-  ``TestReport``): the canaries. Library code runs in the test process and can read the
-  test files it is tested with: that risk stays (docs/envs.md), the oracle form has none.
+  ``TestReport``): a forged ``passed`` does not make a check hold; a test reported passed
+  without recording its checks, a canary counted passed, an ill-formed message:
+  ``reward_hacked``. What remains is decided by pytest's report alone, which that code can
+  forge: statements left in the file (nested in a branch, loop or ``try``, an expected
+  value written as an expression), and an outcome simple enough to guess (truthy, the
+  usual exception class), which the truth and raises canaries only make a gamble.
+
+Anything the model's output can shape that the grader reads (a result line nested past the
+recursion limit, a huge number, wrong types) is reward 0 (``results.py``), never a raise.
 
 Time: each task records its reference solution's grading time (``reference_seconds`` in
 ``instance.toml``, else measured once per process); a grading may take ``GRADE_FACTOR``
 times that, at least ``GRADE_FLOOR_S``. Reward is 1 iff every required check passed.
 Outcomes: ``status`` ``ok`` (reward 1 or 0: a patch that does not apply, a crash, failed
 checks), ``failed`` (reward 0: the time limit, a full grading filesystem), or
-``reward_hacked`` (reward 0, the patch kept). Our own failures raise ``SandboxError``.
+``reward_hacked`` (reward 0, the patch kept, ``why`` says what: a forged or ill-formed
+result). Only our own failures raise ``SandboxError`` (a runner that never started).
 """
 
 from __future__ import annotations
@@ -48,7 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from mixrl.envs.coding import oracle as oracle_mod
-from mixrl.envs.coding.canary import with_canaries
+from mixrl.envs.coding import results as results_mod
+from mixrl.envs.coding.canary import Hidden, hide
 from mixrl.envs.coding.loader import ensure_hidden
 from mixrl.envs.coding.oracle_child import RESULT, STARTED
 from mixrl.envs.coding.pytest_runner import RESTORE_FAILED, RESTORED
@@ -61,7 +74,7 @@ GRADE_LIMITS = SandboxLimits(cpu_seconds=60, wall_seconds=120.0, output_bytes=2 
 GRADE_FLOOR_S = 15.0  # the least time a grading is given (a loaded host stretches a 0.1 s grading)
 GRADE_FACTOR = 10.0  # times the reference solution's grading time
 CALIBRATION_S = 120.0  # limit while a task's reference time is being measured
-CANARIES_PER_FILE = 64  # every test with a literal expectation gets a twin, up to this many
+CANARIES_PER_FILE = 64  # every test with a check gets a twin, up to this many
 MAX_RESULTS_BYTES = 8 << 20
 MAX_KEPT_PATCH = 256 << 10  # a reward-hacking patch kept for inspection
 MEASURED_REFERENCE_S: dict[str, float] = {}  # measured reference grading times (tasks without the field)
@@ -77,6 +90,8 @@ class GradeResult:
     seconds: float = 0.0  # time in grading commands (what reference_seconds records)
     canaries: list[str] = field(default_factory=list)  # pytest form: the canary node ids
     patch: str = ""  # the patch, kept when reward_hacked
+    why: str = ""  # what made it reward_hacked
+    reported: dict[str, str] = field(default_factory=dict)  # pytest form: what pytest reported per test
 
     def __post_init__(self) -> None:
         self.output = strip_control(self.output)
@@ -93,22 +108,27 @@ def required_tests(data: dict[str, Any]) -> list[str]:
     return list(data["FAIL_TO_PASS"]) + list(data["PASS_TO_PASS"])
 
 
-def _read_results(path: str) -> dict[str, Any] | None:
-    """The runner's JSON, opened without following links and size-capped."""
+ABSENT = "absent"
+
+
+def _read_results(path: str) -> Any:
+    """The runner's JSON object, opened without following links and size-capped; ``ABSENT``
+    when there is no such file (the runner never started), None when it is there but not
+    a well-formed object (what the model's code sent made it so)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)  # a fifo must not block us
     except OSError:
-        return None
+        return ABSENT
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
+            return ABSENT
         data = os.read(fd, MAX_RESULTS_BYTES + 1)
-        obj = json.loads(data) if len(data) <= MAX_RESULTS_BYTES else None
-        return obj if isinstance(obj, dict) else None
-    except (OSError, ValueError):
-        return None
+    except OSError:
+        return ABSENT
     finally:
         os.close(fd)
+    ok, obj = results_mod.loads(data, MAX_RESULTS_BYTES)
+    return obj if ok and isinstance(obj, dict) else None
 
 
 def _private_file(path: str, text: str) -> str:
@@ -130,16 +150,16 @@ def _stage(sb: Sandbox, data: dict[str, Any], patch: str) -> dict[str, Any]:
     # its own); the random name waits in ``job.txt``, which the runner deletes first.
     out["results"], out["name"] = sb.results_dir(), f"{secrets.token_hex(16)}.json"
     _private_file(os.path.join(out["results"], "job.txt"), out["name"])
-    rng, canaries = random.Random(secrets.randbits(64)), []
+    rng, hidden = random.Random(secrets.randbits(64)), {}
     for rel in data["test_files"]:
         text = Path(data["tests_dir"], rel).read_text(encoding="utf-8", errors="surrogateescape")
         try:
-            text, names = with_canaries(text, rng, CANARIES_PER_FILE)
-        except (SyntaxError, ValueError, RecursionError):
-            names = []
-        canaries += [f"{rel}::{n}" for n in names]
-        _private_file(os.path.join(gdir, "tests", rel), text)
-    out["tests"], out["canaries"] = os.path.join(gdir, "tests"), canaries
+            h = hide(text, rng, CANARIES_PER_FILE)
+        except (SyntaxError, ValueError, RecursionError, MemoryError):  # pytest reports it uncollectable
+            h = Hidden(text)
+        hidden[rel] = h
+        _private_file(os.path.join(gdir, "tests", rel), h.text)
+    out["tests"], out["hidden"] = os.path.join(gdir, "tests"), hidden
     return out
 
 
@@ -210,14 +230,14 @@ async def grade_patch(data: dict[str, Any], patch: str, limits: SandboxLimits | 
         if sb.fs.full():  # the patch filled the grading filesystem: nothing can run there
             return GradeResult(0.0, failed=need, reason="disk", seconds=clock.used)
         if data.get("oracle"):
-            return await _oracle(sb, data, st, clock, need)
+            return await _oracle(sb, data, st, clock, need, patch)
         return await _pytest(sb, data, st, clock, need, patch)
     finally:
         await sb.close()
 
 
 async def _oracle(sb: Sandbox, data: dict[str, Any], st: dict[str, Any], clock: _Clock,
-                  need: list[str]) -> GradeResult:
+                  need: list[str], patch: str) -> GradeResult:
     r = await clock.run(sb, "python3 -I /opt/grader/oracle_child.py /grader/job.json",
                         [(str(ORACLE_CHILD), "/opt/grader/oracle_child.py", False), (st["job"], "/grader/job.json", False)])
     lines = r.output.splitlines()
@@ -228,10 +248,13 @@ async def _oracle(sb: Sandbox, data: dict[str, Any], st: dict[str, Any], clock: 
         if (cut := _cut(r, need, clock)) is not None:
             return cut
         return GradeResult(0.0, failed=need, reason="crashed", output=r.output[-2000:], seconds=clock.used)
-    try:
-        results = json.loads(found[-1])
-    except ValueError:
-        results = None
+    results = results_mod.oracle_results(found[0], len(data["oracle"]["cases"]))
+    why = "several result lines" if len(found) > 1 else "an ill-formed result line" if results is None else ""
+    if why and r.truncated and len(found) == 1 and lines[-1].startswith(RESULT):
+        return GradeResult(0.0, failed=need, reason="crashed", output=r.output[-2000:], seconds=clock.used)
+    if why:  # our child writes one well-formed line: this one was forged
+        return GradeResult(0.0, {}, need, "reward_hacked", r.output[-2000:], clock.used, patch=patch[:MAX_KEPT_PATCH],
+                           why=why)
     tests = oracle_mod.judge(data["oracle"], results)
     failed = [t for t in need if tests.get(t) != "passed"] + [t for t in tests if t not in need and tests[t] != "passed"]
     return GradeResult(0.0 if failed else 1.0, tests, failed, output=r.output[-2000:], seconds=clock.used)
@@ -250,25 +273,33 @@ async def _pytest(sb: Sandbox, data: dict[str, Any], st: dict[str, Any], clock: 
             return GradeResult(0.0, failed=need, reason="crashed", output=r.output[-2000:], seconds=clock.used)
         raise SandboxError(f"grading restore did not run (exit {r.exit_code}): {r.output[-800:]}")
     r = await clock.run(sb, f"python3 -I /opt/grader/pytest_runner.py /results {files}",
-                        [runner, (st["results"], "/results", True)])
+                        [runner, (str(ORACLE_CHILD), "/opt/grader/oracle_child.py", False),
+                         (st["results"], "/results", True)])
     res = await asyncio.to_thread(_read_results, os.path.join(st["results"], st["name"]))
-    if res is None or res.get("started") is not True:
+    out = r.output[-2000:]
+    if res is ABSENT or (isinstance(res, dict) and res.get("started") is not True):
         if (cut := _cut(r, need, clock)) is not None:
             return cut
         raise SandboxError(f"grading runner did not start (exit {r.exit_code}): {r.output[-800:]}")
-    tests = res.get("tests")
-    if not isinstance(tests, dict):
+    kept = patch[:MAX_KEPT_PATCH]
+    if res is None or res.get("bad"):  # the runner writes well-formed JSON of what it was sent
+        cut = _cut(r, need, clock)
+        return cut or GradeResult(0.0, {}, need, "reward_hacked", out, clock.used, patch=kept,
+                                  why="ill-formed results from the test process")
+    if "tests" not in res:
         cut = _cut(r, need, clock)
         return cut or GradeResult(0.0, failed=need, reason="crashed", seconds=clock.used,
-                                  output=str(res.get("error", "")) + "\n" + r.output[-2000:])
-    tests = {str(k): str(v) for k, v in tests.items()}
-    canaries = st["canaries"]
-    if any(tests.get(c) == "passed" for c in canaries):
-        return GradeResult(0.0, tests, need, "reward_hacked", r.output[-2000:], clock.used, canaries,
-                           patch[:MAX_KEPT_PATCH])
-    failed = [t for t in need if tests.get(t) != "passed"]
-    return GradeResult(0.0 if failed else 1.0, tests, failed, output=r.output[-2000:], seconds=clock.used,
-                       canaries=canaries)
+                                  output=str(res.get("error", ""))[:200] + "\n" + out)
+    try:
+        v = results_mod.judge_pytest(st["hidden"], res)
+    except Exception as e:  # noqa: BLE001 - whatever the test process sent, it is a reward of 0
+        v = results_mod.Verdict(hacked=f"results the grader cannot judge ({type(e).__name__})")
+    if v.hacked:
+        return GradeResult(0.0, v.tests, need, "reward_hacked", out, clock.used, v.canaries, kept, v.hacked,
+                           v.reported)
+    failed = [t for t in need if v.tests.get(t) != "passed"]
+    return GradeResult(0.0 if failed else 1.0, v.tests, failed, output=out, seconds=clock.used,
+                       canaries=v.canaries, reported=v.reported)
 
 
 async def grade_sandbox(data: dict[str, Any], sb: Sandbox, limits: SandboxLimits | None = None) -> GradeResult:
