@@ -50,7 +50,7 @@ def test_multiturn_workload_json(tmp_path, capsys):
 
 def test_bad_options_exit_2(capsys):
     assert sampler.main(_args("--workload", "multiturn", "--turns", "0")) == 2
-    assert "--turns must be >= 1, got 0" in capsys.readouterr().out
+    assert "--turns must be >= 1, got 0" in capsys.readouterr().err
     assert sampler.main(_args("--workload", "multiturn", "--kv-budget-mb", "0")) == 2
     assert sampler.main(_args("--workload", "multiturn", "--model", "/nonexistent")) == 2
-    assert "--model '/nonexistent' has no tokenizer_config.json" in capsys.readouterr().out
+    assert "--model '/nonexistent' has no tokenizer_config.json" in capsys.readouterr().err

@@ -15,7 +15,8 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     parser = argparse.ArgumentParser()
     serve.configure(parser)
     code = serve.main(parser.parse_args(list(argv)))
-    return code, capsys.readouterr().out
+    r = capsys.readouterr()
+    return code, r.out if code == 0 else r.err  # the result on stdout, a usage error on stderr
 
 
 def test_hostile_round_reports_latency_rss_and_no_leaked_session(capsys: pytest.CaptureFixture[str]) -> None:

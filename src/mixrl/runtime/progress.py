@@ -1,4 +1,5 @@
-"""A rich progress bar on stderr (stdout is the command's result: ``--json``): step, reward, KL, staleness, time."""
+"""A rich progress bar on stderr, when stderr is a terminal (stdout is the command's result: ``--json``):
+step, reward, KL, staleness, time."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ KL_KEYS = ("precision/kl_exact", "precision/kl_k3", "mismatch/kl_exact", "mismat
 
 class ProgressBar:
     def __init__(self, total: int, start: int = 0, enabled: bool = True):
-        self.enabled = enabled
-        if not enabled:
-            return
         from rich.console import Console
+
+        console = Console(stderr=True)
+        self.enabled = enabled and console.is_terminal  # a log or a pipe gets no bar (and no frozen last frame)
+        if not self.enabled:
+            return
         from rich.progress import (
             BarColumn,
             MofNCompleteColumn,
@@ -26,7 +29,7 @@ class ProgressBar:
 
         self._p = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"), console=Console(stderr=True),
+            TextColumn("{task.fields[info]}"), console=console,
         )
         self._task = self._p.add_task("train", total=total, completed=start, info="waiting for the first batch")
         self._p.start()

@@ -416,8 +416,6 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(args: argparse.Namespace) -> int:
     if args.client:  # the endpoint arm's client process
-        import sys
-
         from mixrl.serve.app import loop_runner
 
         async def ready() -> None:  # tell the server, wait for its go
