@@ -73,6 +73,7 @@ from mixrl.sampling.vllm.weights import (
     prepared,
     prune_versions,
     read_checkpoint,
+    refresh_tied,
     write_version_dir,
 )
 
@@ -374,6 +375,8 @@ class VLLMEngine(Engine):
             try:
                 with graph_guard(self._llm, self.graphs):  # stale graph buffers: the version stays
                     self._llm.collective_rpc("reload_weights", kwargs=kwargs)
+                    if self.tied:  # the tied head's packed GEMM is not redone by the reload
+                        self._llm.apply_model(refresh_tied)
                 if self.prefix_caching:
                     self._llm.reset_prefix_cache()
             except Exception as e:

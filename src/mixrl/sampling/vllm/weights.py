@@ -221,6 +221,33 @@ def _dense_methods(model: Any) -> dict[str, list[str]]:
             "layers": [str(len(found))]}
 
 
+def refresh_tied(model: Any) -> list[str]:
+    """After an in-place reload: redo the kernel preparation of layers whose weight is another
+    layer's (a tied ``lm_head``), which vLLM's layer-wise reload never processes, since no
+    checkpoint tensor names them. vLLM's CPU GEMMs pack each weight once (oneDNN / AMX
+    layouts, ``layer.cpu_linear``): without this the tied head keeps multiplying by the packed
+    copy of the *old* embedding, and every logit is computed with stale weights while the
+    embedding lookup is new. Returns the refreshed layers' names."""
+    owner: dict[int, str] = {}
+    done: list[str] = []
+    for name, module in model.named_modules():
+        w = module._parameters.get("weight") if hasattr(module, "_parameters") else None
+        if w is None:
+            continue
+        if id(w) not in owner:
+            owner[id(w)] = name
+            continue
+        method = getattr(module, "quant_method", None)
+        if method is None:
+            continue
+        if not type(method).__name__.startswith("Unquantized"):
+            raise RuntimeError(f"{name} shares its weight with {owner[id(w)]} under {type(method).__name__}: "
+                               "an in-place reload cannot refresh a quantized tied layer")
+        method.process_weights_after_loading(module)
+        done.append(name)
+    return done
+
+
 class StaleGraphBuffers(RuntimeError):
     """A weight reload replaced tensors that captured CUDA graphs still point at."""
 
