@@ -47,12 +47,14 @@ def test_vllm_and_builtin_groups_in_one_run(vllm_policy: Path, tmp_path: Path) -
          "max_replicas": 1},
         {"name": "nvfp4", "profile": "b200-nvfp4", "replicas": 1, "min_replicas": 1,
          "max_replicas": 1, "overrides": {"compute_dtype": "float32"}},
-    ]}, runtime={"steps": 3, "seed": 0, "mode": "sync", "eval": {"enabled": False}})
-    train(cfg)
+    ], "check_loads": True}, runtime={"steps": 3, "seed": 0, "mode": "sync", "eval": {"enabled": False}})
+    train(cfg)  # fleet.check_loads: every load of both engines proven against the trainer
     assert_complete_and_unique(run_dir, 3)
     rows = metrics(run_dir)
     served = {g for r in rows for g in ("vllm-fp32", "nvfp4") if r.get(f"share/samples/{g}", 0) > 0}
     assert served == {"vllm-fp32", "nvfp4"}
+    checked = {g: [r[f"fleet/load_check/max_abs_logq/{g}"] for r in rows] for g in ("vllm-fp32", "nvfp4")}
+    assert all(len(v) == 3 for v in checked.values()) and max(checked["vllm-fp32"]) < 1e-3, checked
     for g in ("vllm-fp32", "nvfp4"):
         ks = [r[f"mismatch/kl_k3/{g}"] for r in rows if f"mismatch/kl_k3/{g}" in r]
         assert ks and all(k >= 0 for k in ks)

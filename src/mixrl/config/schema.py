@@ -150,6 +150,11 @@ class FleetConfig(_Section):
         description="sampler groups",
     )
     autoscaler: Autoscaling = Field(default_factory=lambda: FixedScaling(), description="scaling policy")
+    check_loads: bool = Field(
+        default=False, description="debug: after every weights load, each replica samples one token after a few "
+        "fixed prompts and its log q is compared with the trainer's for that version; a replica that serves other "
+        "weights stops the run (needs trainer.world_size = 1 on the embedded backend with the trainer on the CPU, "
+        "or Ray)")
 
     @model_validator(mode="after")
     def _unique(self) -> FleetConfig:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixrl.fleet.handles import SamplerHandle, Superseded
+from mixrl.fleet.load_check import LoadCheck, StaleWeights
 from mixrl.fleet.router import CATCHING_UP, DRAINING, FAILED, READY, NoReplicaAvailable, Router
 from mixrl.records.generation import LOGPROB_TOL, GenerationRequest, GenerationResult
 from mixrl.sampling.base import ReplicaFailure
@@ -100,6 +101,7 @@ class Fleet:
         restart_failed: bool = True,
         wait_for_replica_s: float = 120.0,
         health_s: float = 2.0,
+        load_check: LoadCheck | None = None,
     ):
         self.specs = {g.name: g for g in groups}
         self.router = Router({g.name: g.relative_throughput for g in groups}, seed=seed)
@@ -115,6 +117,7 @@ class Fleet:
         self.restart_failed = restart_failed
         self.wait_for_replica_s = wait_for_replica_s
         self.health_s = health_s  # how often serving replicas are asked whether they live (0: never)
+        self.load_check = load_check  # fleet.check_loads: every load proven (fleet.load_check)
         self.counts = {"replica_failures": 0, "malformed_results": 0, "retried_requests": 0, "sampler_errors": 0}
         self.kv_counts: dict[str, dict[str, float]] = {}  # group -> the engines' KV accounting, summed
         self._changed = asyncio.Event()  # set whenever a replica becomes ready
@@ -274,14 +277,23 @@ class Fleet:
                 return
             self.versions[name] = version
             self.store.served(version, name)
+            if self.load_check is not None and name in self.router.replicas:
+                try:
+                    await self.load_check.after_load(name, self.router.replicas[name].group, self.handles[name], version)
+                except StaleWeights as e:  # the run stops on it (the orchestrator reads load_check.failure)
+                    self._mark_failed(name, ReplicaFailure(str(e)))
+                    return
         info = self.router.replicas.get(name)
         if info is not None and info.state == CATCHING_UP and name in self.handles:
             info.state = READY
             self._changed.set()
 
     async def wait_synced(self, version: int) -> None:
-        """Until every live replica serves ``version`` or newer (sync mode)."""
+        """Until every live replica serves ``version`` or newer (sync mode); ``StaleWeights`` when
+        ``fleet.check_loads`` caught a replica serving other weights."""
         while True:
+            if self.load_check is not None and self.load_check.failure is not None:
+                raise self.load_check.failure
             behind = [
                 n for n, r in self.router.replicas.items()
                 if r.state in (READY, CATCHING_UP) and self.versions.get(n, -1) < version
@@ -384,6 +396,8 @@ class Fleet:
         if self.store.latencies:
             v = max(self.store.latencies)
             out["fleet/publish_s"] = self.store.latencies[v]
+        if self.load_check is not None:
+            out.update(self.load_check.metrics())
         return out
 
     async def close(self) -> None:

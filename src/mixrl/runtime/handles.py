@@ -45,6 +45,10 @@ class TrainerHandle(abc.ABC):
     async def load_state(self, state: dict[str, Any]) -> None:
         """Restore ``state()``."""
 
+    async def probe_logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
+        """``TrainerSurface.probe_logprobs`` (``fleet.check_loads``); a backend without it refuses."""
+        raise NotImplementedError(f"{type(self).__name__}: fleet.check_loads needs trainer.world_size = 1")
+
     @abc.abstractmethod
     async def save_policy(self, out_dir: str) -> None:
         """Write the current policy as an HF model directory (for evaluation)."""

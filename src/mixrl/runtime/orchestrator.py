@@ -38,13 +38,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from mixrl.config import Derived, RunConfig
+from mixrl.config import ConfigError, Derived, RunConfig
 from mixrl.config.presets import needs
 from mixrl.envs.family import Active
 from mixrl.envs.registry import make_env, make_task_source
 from mixrl.fleet.autoscaler import Autoscaler
 from mixrl.fleet.cost import CostModel
 from mixrl.fleet.fleet import Fleet, GroupSpec
+from mixrl.fleet.load_check import LoadCheck, StaleWeights
 from mixrl.models.chat import ChatFormat
 from mixrl.records.generation import SamplingParams
 from mixrl.records.task import Task
@@ -143,10 +144,11 @@ class Orchestrator:
         self.fleet = Fleet(
             specs, self.backend.make_sampler, WeightStore(put=None),
             seed=cfg.runtime.seed, max_retries=cfg.runtime.max_session_retries,
+            load_check=LoadCheck(_vocab(self.model_path), cfg.runtime.seed) if cfg.fleet.check_loads else None,
         )
         version = await self.trainer.version()
         self._version = version
-        self.fleet.publish(version, await self.trainer.weights())
+        await self._publish(version)
         await self.fleet.start()
         if cfg.fleet.autoscaler.type == "inflight":
             a = cfg.fleet.autoscaler
@@ -224,7 +226,19 @@ class Orchestrator:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._event.wait(), timeout=1.0)
 
+    async def _publish(self, version: int) -> None:
+        check = self.fleet.load_check
+        if check is not None:  # what the version's replicas must sample from, before any loads it
+            try:
+                check.expect(version, await self.trainer.probe_logprobs(check.prompts))
+            except NotImplementedError as e:
+                raise ConfigError(str(e)) from None
+        self.fleet.publish(version, await self.trainer.weights())
+
     def _check_sessions(self) -> None:
+        check = self.fleet.load_check
+        if check is not None and check.failure is not None:
+            raise RunError(str(check.failure)) from check.failure
         if self.sessions.errors:
             e = self.sessions.errors[0]
             raise RunError(f"a rollout session failed: {type(e).__name__}: {e}") from e
@@ -256,12 +270,15 @@ class Orchestrator:
                 tmetrics = await self.trainer.step(trajs, adv)
                 t2 = time.perf_counter()
                 new_version = await self.trainer.version()
-                self.fleet.publish(new_version, await self.trainer.weights())
+                await self._publish(new_version)
                 self._version = new_version
                 if self.cfg.runtime.mode == "async":
                     self._top_up(self.derived.max_inflight_prompts)  # admission may now allow more
                 if self.cfg.runtime.mode == "sync":
-                    await self.fleet.wait_synced(new_version)
+                    try:
+                        await self.fleet.wait_synced(new_version)
+                    except StaleWeights as e:
+                        raise RunError(str(e)) from e
                 t3 = time.perf_counter()
                 self.step += 1
                 self.samples += len(trajs)
@@ -364,11 +381,14 @@ class Orchestrator:
         await self.trainer.close()
 
 
-def _screening(model_path: str, loss_cfg: Any, cfg: RunConfig) -> dict[str, Any]:
-    """Keywords of ``rollout.advantages.batch_advantages`` for this run."""
+def _vocab(model_path: str) -> int:
     from transformers import AutoConfig
 
+    return int(AutoConfig.from_pretrained(model_path).vocab_size)
 
-    vocab = int(AutoConfig.from_pretrained(model_path).vocab_size)
+
+def _screening(model_path: str, loss_cfg: Any, cfg: RunConfig) -> dict[str, Any]:
+    """Keywords of ``rollout.advantages.batch_advantages`` for this run."""
+    vocab = _vocab(model_path)
     return {"vocab_size": vocab, "cand_kind": needs(loss_cfg).cand_kind,
             "overlong": cfg.rollout.overlong, "budget": generation_budget(cfg)}

@@ -6,6 +6,7 @@
     state = surface.state_dict()          # model, optimizer, version and this process's RNGs
     surface.load_state_dict(state)        # a resumed run continues with identical numbers
     surface.save_policy("out/")           # an HF directory (LoRA: merged; FSDP: gathered)
+    lq = surface.probe_logprobs(prompts)  # log p(next token | prompt) over the vocabulary (fleet.check_loads)
 
 A backend adds transport (threads, pipes, Ray calls, shared memory) around these
 methods, never logic: the embedded trainer, the rank worker and the Ray actors
@@ -43,6 +44,19 @@ class TrainerSurface:
 
     def save_policy(self, out_dir: str) -> None:
         save_policy(self.trainer, self.tokenizer, out_dir)
+
+    def probe_logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
+        """The policy's next-token log-probabilities after each prompt (temperature 1, float32):
+        what a replica that serves the current version must sample the first token from."""
+        import torch
+
+        model, device = self.trainer.model, getattr(self.trainer, "device", torch.device("cpu"))
+        out = []
+        with torch.no_grad():
+            for ids in prompts:
+                logits = model(input_ids=torch.tensor([ids], device=device)).logits[0, -1]
+                out.append(logits.float().log_softmax(-1).cpu().tolist())
+        return out
 
 
 def trainer_state(trainer: Any) -> dict[str, Any]:

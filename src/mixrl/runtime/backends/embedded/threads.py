@@ -148,3 +148,7 @@ class EmbeddedTrainer(TrainerHandle):
 
     async def save_policy(self, out_dir: str) -> None:
         await asyncio.to_thread(self.surface.save_policy, out_dir)
+
+    async def probe_logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
+        async with self._lock:
+            return await asyncio.to_thread(self.surface.probe_logprobs, prompts)

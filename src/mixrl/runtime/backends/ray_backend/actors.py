@@ -146,6 +146,9 @@ class TrainerActor:
     def save_policy(self, out_dir: str) -> None:
         self.surface.save_policy(out_dir)
 
+    def probe_logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
+        return self.surface.probe_logprobs(prompts)
+
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()
 

@@ -171,6 +171,9 @@ class RayTrainer(TrainerHandle):
     async def save_policy(self, out_dir: str) -> None:
         await self.actor.save_policy.remote(out_dir)
 
+    async def probe_logprobs(self, prompts: list[list[int]]) -> list[list[float]]:
+        return await self.actor.probe_logprobs.remote(prompts)
+
     async def close(self) -> None:
         ray.kill(self.actor, no_restart=True)
         if self.pg is not None:
