@@ -43,12 +43,14 @@ from mixrl.models.chat import ChatFormat
 from mixrl.models.untrusted import encode_untrusted
 from mixrl.records.generation import GenerationResult
 from mixrl.records.trajectory import Trajectory
+from mixrl.serve.bounds import ENTRY_BYTES, ITEM_BYTES, MIB, ByteLRU, norm_bytes, traj_bytes
 
 # Private-use characters no template or text contains: message contents are located in the
 # rendered text through them and encoded apart, as untrusted text (a tool result that
 # prints "<|im_end|>" stays text), while the template's own text becomes special ids.
 SENTINEL = "\ue010{}\ue011"
 FILLER_USER, FILLER_REPLY = "\ue012", "\ue013"
+FRAME_BYTES = 32 * MIB  # the template cache's default bound
 
 
 def _render(chat: ChatFormat, messages: list[dict[str, Any]], tools: list[Any] | None) -> str:
@@ -84,22 +86,27 @@ class Frames:
     replaced by sentinels): a template writes contents verbatim, so the text around them does
     not depend on them, and rendering and encoding it once per shape gives the same ids as
     every time. A template that reads the clock (``strftime_now``) is rendered every time.
-    Contents seen before (system prompts, repeated turns) keep their untrusted encoding too."""
+    Contents seen before (system prompts, repeated turns) keep their untrusted encoding too.
+    Both caches are least-recently-used, bounded in entries (``size`` each) and bytes
+    (``max_bytes`` in all, half each: ``bounds.ByteLRU``, which keeps no entry over an
+    eighth of its bound, so a request of a rare large shape never flushes them)."""
 
-    def __init__(self, chat: ChatFormat, size: int = 4096) -> None:
+    def __init__(self, chat: ChatFormat, size: int = 4096, max_bytes: int = FRAME_BYTES) -> None:
         self.chat, self.size = chat, size
         self.enabled = size > 0 and "strftime" not in str(chat.template) and "now(" not in str(chat.template)
-        self._cache: dict[str, list[list[int]]] = {}
-        self._texts: dict[str, list[int]] = {}
+        self._cache = ByteLRU(max_bytes // 2, size)
+        self._texts = ByteLRU(max_bytes // 2, size)
+
+    @property
+    def bytes(self) -> int:
+        return self._cache.bytes + self._texts.bytes
 
     def _untrusted(self, content: str) -> list[int]:
         ids = self._texts.get(content)
         if ids is None:
             ids = encode_untrusted(self.chat.tokenizer, content)
             if self.enabled and len(content) <= 1024:
-                if len(self._texts) >= self.size:
-                    self._texts.clear()
-                self._texts[content] = ids
+                self._texts.put(content, ids, ENTRY_BYTES + len(content) + ITEM_BYTES * len(ids))
         return ids
 
     def ids(self, kind: str, msgs: list[dict[str, Any]], tools: list[Any] | None, contents: list[str],
@@ -109,10 +116,13 @@ class Frames:
         if frame is None:
             frame = _frame(self.chat, render(), len(contents))
             if key is not None:
-                if len(self._cache) >= self.size:
-                    self._cache.clear()
-                self._cache[key] = frame
+                self._cache.put(key, frame, frame_bytes(key, frame))
         return _join(frame, contents, self._untrusted)
+
+
+def frame_bytes(key: str, frame: list[list[int]]) -> int:
+    """A cached frame's bytes: its key (ASCII JSON), its pieces of ids."""
+    return ENTRY_BYTES + len(key) + sum(ENTRY_BYTES + ITEM_BYTES * len(p) for p in frame)
 
 
 def _text(content: Any) -> str:
@@ -225,6 +235,15 @@ class SessionState:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     used: float = 0.0  # the clock when a request last named it
     pending: int = 0  # requests naming it that have not finished (waiting for its lock or holding it)
+    nbytes: int = 0  # what it holds, as last counted (``state_bytes``)
+    dropped: int = 0  # earlier segments dropped to keep it within its byte bound
+
+
+def state_bytes(st: SessionState) -> int:
+    """A session's bytes: its segments, forks and the normalized messages it compares against."""
+    return (ENTRY_BYTES + len(st.tools_key) + sum(norm_bytes(m) for m in st.prefix)
+            + sum(traj_bytes(f.traj) + norm_bytes(f.reply) for f in st.forks)
+            + sum(traj_bytes(t) for t in st.finished))
 
 
 class SessionStore:
@@ -232,18 +251,23 @@ class SessionStore:
 
     Bounded when asked: a session no request named for ``ttl`` seconds expires, and a new
     session beyond ``max_sessions`` makes the least recently used one go (``evicted`` counts
-    both; a request naming it later starts a new segment). A session with a request in flight
-    (its lock held) is never dropped. None: unbounded (an in-run endpoint, whose episodes
-    finish their sessions). Sessions are kept in order of last use, so both checks look at
-    the oldest only: O(1) per request.
+    both; a request naming it later starts a new segment). In bytes (``state_bytes``, counted
+    after each request: ``account``): a session past ``max_session_bytes`` drops its earliest
+    segments (``SessionState.dropped``), and the whole session if its current record alone is
+    past it; past ``max_bytes`` in all, the least recently used sessions go. A session with a
+    request in flight (its lock held) is never dropped. None: unbounded (an in-run endpoint,
+    whose episodes finish their sessions). Sessions are kept in order of last use, so the
+    checks look at the oldest only: O(1) per request.
     """
 
     def __init__(self, chat: ChatFormat, ttl: float | None = None, max_sessions: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_bytes: int | None = None,
+                 max_session_bytes: int | None = None, frame_bytes: int = FRAME_BYTES) -> None:
         self.chat, self.ttl, self.max_sessions, self.clock = chat, ttl, max_sessions, clock
-        self.frames = Frames(chat)
+        self.max_bytes, self.max_session_bytes = max_bytes, max_session_bytes
+        self.frames = Frames(chat, max_bytes=frame_bytes)
         self.sessions: OrderedDict[str, SessionState] = OrderedDict()
-        self.history_rewrites = self.evicted = 0
+        self.history_rewrites = self.evicted = self.bytes = 0
 
     def state(self, session: str) -> SessionState:
         now = self.clock()
@@ -258,24 +282,51 @@ class SessionStore:
         st.used = now
         return st
 
+    def _drop(self, session: str) -> SessionState | None:
+        st = self.sessions.pop(session, None)
+        if st is not None:
+            self.bytes -= st.nbytes
+        return st
+
     def discard(self, session: str, st: SessionState) -> None:
         """Forget a session (a request that created it failed), if ``st`` is still its state."""
         if self.sessions.get(session) is st:
-            del self.sessions[session]
+            self._drop(session)
+
+    def account(self, session: str, st: SessionState) -> None:
+        """Count the session's bytes again (after a request changed it), then hold the bounds."""
+        if self.sessions.get(session) is not st:
+            return
+        new = state_bytes(st) if self.max_bytes is not None or self.max_session_bytes is not None else 0
+        self.bytes += new - st.nbytes
+        st.nbytes = new
+        cap = self.max_session_bytes
+        if cap is not None and new > cap:
+            while st.finished and st.nbytes > cap:  # the earliest segments first
+                self.bytes -= traj_bytes(st.finished[0])
+                st.nbytes -= traj_bytes(st.finished.pop(0))
+                st.dropped += 1
+            if st.nbytes > cap:  # its current record alone: the session goes
+                self._drop(session)
+                self.evicted += 1
+        if self.max_bytes is not None and self.bytes > self.max_bytes:
+            self._sweep(self.clock(), room=0)
 
     def _sweep(self, now: float, room: int) -> None:
-        """Drop expired sessions, and the least recently used while ``room`` more would pass the cap."""
-        cap = self.max_sessions
+        """Drop expired sessions, and the least recently used while ``room`` more would pass the
+        cap or the sessions hold more than ``max_bytes``."""
+        cap, limit = self.max_sessions, self.max_bytes
         for _ in range(len(self.sessions)):
             sid, st = next(iter(self.sessions.items()))
             if not ((self.ttl is not None and now - st.used > self.ttl)
-                    or (cap is not None and len(self.sessions) + room > cap)):
+                    or (cap is not None and len(self.sessions) + room > cap)
+                    or (limit is not None and self.bytes > limit)):
                 return
             if st.lock.locked() or st.pending:  # in flight: counts as used now
                 st.used = now
                 self.sessions.move_to_end(sid)
             else:
-                del self.sessions[sid]
+                self._drop(sid)
                 self.evicted += 1
 
     def prompt(self, st: SessionState, session: str, messages: list[dict[str, Any]],
@@ -326,7 +377,7 @@ class SessionStore:
 
     def finish(self, session: str) -> tuple[Trajectory | None, int]:
         """The session's last segment (what trains) and how many earlier segments it had."""
-        st = self.sessions.pop(session, None)
+        st = self._drop(session)
         if st is None or not st.forks:
-            return None, len(st.finished) if st else 0
-        return st.forks[0].traj, len(st.finished)
+            return None, len(st.finished) + st.dropped if st else 0
+        return st.forks[0].traj, len(st.finished) + st.dropped

@@ -14,11 +14,14 @@ tokens kept are recorded, those after it are not. A session is named by the
 a session of its own.
 
 Sessions are bounded (``session_ttl`` seconds unused, ``max_sessions`` least recently
-used: ``SessionStore``), and a failed request (context too long, a bad parameter,
+used, ``session_bytes`` in all and ``session_max_bytes`` each: ``SessionStore``), the
+template cache too (``frame_bytes``), a chat request whose text (contents, ``tools``,
+names, tool calls) the context cannot hold is refused before it is rendered, and a failed request (context too long, a bad parameter,
 the sampler failed) leaves no session holding no reply behind, except sessions whose
 lifetime the caller manages (``owned``: an in-run endpoint's episodes). A request whose
 body is large (``heavy``) is templated and tokenized in a worker thread, so the event
-loop keeps answering other requests meanwhile.
+loop keeps answering other requests meanwhile. With a ``gate`` (``fair.FairGate``) each
+choice waits for its client's turn at a slot of the fleet (``client``: who sent it).
 
 Candidates of q recorded with each token (``record``): ``"auto"`` (the default)
 records the whole top-p support when ``top_p < 1`` and the 64 most likely tokens
@@ -40,7 +43,9 @@ from mixrl.models.chat import ChatFormat
 from mixrl.records.generation import GenerationRequest, GenerationResult, SamplingParams
 from mixrl.records.trajectory import Trajectory
 from mixrl.serve import toolcalls
-from mixrl.serve.conversation import SessionStore, content_chars
+from mixrl.serve.bounds import MIB, request_chars
+from mixrl.serve.conversation import FRAME_BYTES, SessionStore, content_chars
+from mixrl.serve.fair import FairGate, QueueFull
 from mixrl.serve.stops import cut
 
 Generate = Callable[[str, GenerationRequest], Awaitable[GenerationResult]]
@@ -48,6 +53,7 @@ Generate = Callable[[str, GenerationRequest], Awaitable[GenerationResult]]
 # imposes the run's temperature, top-p and candidate recording); recorded per result.
 Adapt = Callable[[str, SamplingParams], SamplingParams]
 SESSION_TTL_S, MAX_SESSIONS = 3600.0, 4096  # the defaults of ``mixrl serve``
+SESSION_BYTES, SESSION_MAX_BYTES = 256 * MIB, 32 * MIB  # its sessions' bytes in all, and each
 
 
 def record_for(top_p: float) -> str:
@@ -82,12 +88,15 @@ class ServeCore:
     def __init__(self, chat: ChatFormat, generate: Generate, *, model: str, max_total_tokens: int,
                  default_max_tokens: int = 256, record: str = "auto", tool_parser: str = "auto",
                  adapt: Adapt | None = None, session_ttl: float | None = SESSION_TTL_S,
-                 max_sessions: int | None = MAX_SESSIONS, owned: Callable[[str], bool] | None = None) -> None:
+                 max_sessions: int | None = MAX_SESSIONS, owned: Callable[[str], bool] | None = None,
+                 session_bytes: int | None = SESSION_BYTES, session_max_bytes: int | None = SESSION_MAX_BYTES,
+                 frame_bytes: int = FRAME_BYTES, gate: FairGate | None = None) -> None:
         self.chat, self.generate, self.model = chat, generate, model
-        self.adapt, self.owned = adapt, owned
+        self.adapt, self.owned, self.gate = adapt, owned, gate
         self.max_total_tokens, self.default_max_tokens = max_total_tokens, default_max_tokens
         self.record, self.tool_parser = record, tool_parser
-        self.sessions = SessionStore(chat, ttl=session_ttl, max_sessions=max_sessions)
+        self.sessions = SessionStore(chat, ttl=session_ttl, max_sessions=max_sessions, max_bytes=session_bytes,
+                                     max_session_bytes=session_max_bytes, frame_bytes=frame_bytes)
         self.stop_ids = chat.stop_ids  # a property that builds its tuple on every read
         # the longest token's text (its vocabulary string: a byte-level token's string has a character
         # per byte): text longer than the context times this cannot fit, and is refused untokenized
@@ -154,14 +163,29 @@ class ServeCore:
                                               "bytes": list(self.chat.decode([c]).encode())} for lp, c in cands]})
         return {"content": content}
 
-    async def _choices(self, session: str, base: Trajectory, params: SamplingParams, n: int) -> list[GenerationResult]:
+    async def _choices(self, session: str, base: Trajectory, params: SamplingParams, n: int,
+                       client: str = "") -> list[GenerationResult]:
         reqs = [GenerationRequest(list(base.tokens), params if params.seed is None or i == 0 else
                                   SamplingParams(**{**params.__dict__, "seed": (params.seed + i) & 0xFFFFFFFF}),
                                   request_id=f"{session}/{len(base.tokens)}/{i}", session=session) for i in range(n)]
-        if n == 1:
-            results = [await self.generate(session, reqs[0])]
-        else:
-            results = await asyncio.gather(*(self.generate(session, r) for r in reqs))
+        gate = self.gate
+        if gate is None:
+            if n == 1:
+                results = [await self.generate(session, reqs[0])]
+            else:
+                results = await asyncio.gather(*(self.generate(session, r) for r in reqs))
+        else:  # each choice waits for its client's turn at a slot of the fleet
+            try:
+                gate.admit(client, n)
+            except QueueFull as e:
+                raise ApiError(429, f"this client has {e.limit} generations waiting at most; retry once some "
+                                    "have finished", type_="rate_limit_error", code="client_queue_full") from None
+
+            async def one(r: GenerationRequest) -> GenerationResult:
+                async with gate.slot(client):
+                    return await self.generate(session, r)
+
+            results = [await one(reqs[0])] if n == 1 else await asyncio.gather(*map(one, reqs))
         for r in results:
             if r.finish_reason in ("error", "numerical_error", "context_exceeded"):
                 raise ApiError(503, f"the sampler failed: {r.finish_reason} {r.error}".strip(),
@@ -169,7 +193,22 @@ class ServeCore:
         return list(results)
 
     # -- endpoints ------------------------------------------------------------------------
-    async def chat_completion(self, body: dict[str, Any], session: str | None, heavy: bool = False) -> dict[str, Any]:
+    def _check_size(self, messages: list[Any], tools: list[Any] | None) -> None:
+        """Refuse unencoded a request whose text (contents, tools, names, tool calls) the context
+        cannot hold: more characters than the context times the longest token."""
+        try:
+            tool_chars, extra = request_chars(messages, tools)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        room = self.max_total_tokens * self.token_chars
+        if tool_chars > room:
+            raise self._too_long("tools", tool_chars)
+        chars = content_chars(messages) + extra + tool_chars
+        if chars > room:
+            raise self._too_long("messages", chars)
+
+    async def chat_completion(self, body: dict[str, Any], session: str | None, heavy: bool = False,
+                              client: str = "") -> dict[str, Any]:
         if body.get("stream"):
             raise ApiError(400, "stream=true is not supported by this endpoint", param="stream")
         messages, tools = body.get("messages"), body.get("tools") or None
@@ -186,7 +225,7 @@ class ServeCore:
         st = self.sessions.state(session)
         st.pending += 1
         try:
-            return await self._chat(body, session, st, ephemeral, messages, tools, parser, top, heavy)
+            return await self._chat(body, session, st, ephemeral, messages, tools, parser, top, heavy, client)
         except BaseException:
             alone = st.pending == 1  # no other request of this session is waiting for it
             if alone and (ephemeral or not (st.forks or st.finished
@@ -197,39 +236,50 @@ class ServeCore:
             st.pending -= 1
 
     async def _chat(self, body: dict[str, Any], session: str, st: Any, ephemeral: bool, messages: list[Any],
-                    tools: list[Any] | None, parser: str, top: int, heavy: bool) -> dict[str, Any]:
+                    tools: list[Any] | None, parser: str, top: int, heavy: bool, client: str) -> dict[str, Any]:
         async with st.lock:
-            chars = content_chars(messages)
-            if chars > self.max_total_tokens * self.token_chars:
-                st.truncated = True
-                raise self._too_long("messages", chars)
             try:
-                if heavy:  # templating and tokenizing a large body: off the event loop
-                    base = await asyncio.to_thread(self.sessions.prompt, st, session, messages, tools)
-                else:
-                    base = self.sessions.prompt(st, session, messages, tools)
-            except ValueError as e:
-                raise ApiError(400, str(e), param="messages") from None
-            prompt_len = len(base.tokens)  # before the reply is recorded into base (n = 1)
-            params, n, stop = self._params(body, prompt_len, st)
-            if self.adapt is not None:
-                params = self.adapt(session, params)
-            results = await self._choices(session, base, params, n)
-            choices, recorded = [], []
-            for i, res in enumerate(results):
-                ids, text, stopped = self._cut(res.token_ids, stop)
-                content, calls = toolcalls.parse(text, tools, parser)
-                ended = stopped or (bool(ids) and ids[-1] in self.stop_ids)
-                message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
-                if calls:
-                    message["tool_calls"] = calls
-                choice = {"index": i, "message": message,
-                          "finish_reason": "tool_calls" if calls else ("stop" if ended else "length"),
-                          "logprobs": self._logprobs(res, ids, top) if body.get("logprobs") else None}
-                choices.append(choice)
-                recorded.append((res, ids, message))
-                self.counts["generated_tokens"] += len(ids)
-            self.sessions.record(st, base, recorded, params)
+                return await self._chat_locked(body, session, st, ephemeral, messages, tools, parser, top, heavy,
+                                               client)
+            finally:
+                self.sessions.account(session, st)  # its bytes counted again, the bounds held
+
+    async def _chat_locked(self, body: dict[str, Any], session: str, st: Any, ephemeral: bool, messages: list[Any],
+                           tools: list[Any] | None, parser: str, top: int, heavy: bool,
+                           client: str) -> dict[str, Any]:
+        try:
+            self._check_size(messages, tools)  # before anything is rendered or encoded
+        except ApiError as e:
+            if e.code == "context_length_exceeded":
+                st.truncated = True
+            raise
+        try:
+            if heavy:  # templating and tokenizing a large body: off the event loop
+                base = await asyncio.to_thread(self.sessions.prompt, st, session, messages, tools)
+            else:
+                base = self.sessions.prompt(st, session, messages, tools)
+        except ValueError as e:
+            raise ApiError(400, str(e), param="messages") from None
+        prompt_len = len(base.tokens)  # before the reply is recorded into base (n = 1)
+        params, n, stop = self._params(body, prompt_len, st)
+        if self.adapt is not None:
+            params = self.adapt(session, params)
+        results = await self._choices(session, base, params, n, client)
+        choices, recorded = [], []
+        for i, res in enumerate(results):
+            ids, text, stopped = self._cut(res.token_ids, stop)
+            content, calls = toolcalls.parse(text, tools, parser)
+            ended = stopped or (bool(ids) and ids[-1] in self.stop_ids)
+            message: dict[str, Any] = {"role": "assistant", "content": content if (content or not calls) else None}
+            if calls:
+                message["tool_calls"] = calls
+            choice = {"index": i, "message": message,
+                      "finish_reason": "tool_calls" if calls else ("stop" if ended else "length"),
+                      "logprobs": self._logprobs(res, ids, top) if body.get("logprobs") else None}
+            choices.append(choice)
+            recorded.append((res, ids, message))
+            self.counts["generated_tokens"] += len(ids)
+        self.sessions.record(st, base, recorded, params)
         if ephemeral:
             self.sessions.finish(session)
         self.counts["requests"] += 1
@@ -241,7 +291,8 @@ class ServeCore:
                 "mixrl": {"session": None if ephemeral else session, "group": results[0].group,
                           "version": results[0].version, "segment": base.info.get("segment", 0)}}
 
-    async def completion(self, body: dict[str, Any], session: str | None, heavy: bool = False) -> dict[str, Any]:
+    async def completion(self, body: dict[str, Any], session: str | None, heavy: bool = False,
+                         client: str = "") -> dict[str, Any]:
         if body.get("stream"):
             raise ApiError(400, "stream=true is not supported by this endpoint", param="stream")
         prompt = body.get("prompt")
@@ -261,7 +312,7 @@ class ServeCore:
         params, n, stop = self._params(body, len(ids))
         traj = Trajectory(prompt_id=session or "anon", sample_idx=0, task="openai")
         traj.append_env(ids)
-        results = await self._choices(session or f"anon-{uuid.uuid4().hex}", traj, params, n)
+        results = await self._choices(session or f"anon-{uuid.uuid4().hex}", traj, params, n, client)
         choices, gen = [], 0
         for i, res in enumerate(results):
             kept, text, stopped = self._cut(res.token_ids, stop)
