@@ -27,8 +27,8 @@ def _asgi(app, headers: list[tuple[bytes, bytes]], chunks, path: str = "/v1/chat
 
     async def receive() -> dict:
         piece = next(it, None)
-        if piece is None:
-            return {"type": "http.disconnect"}
+        if piece is None:  # the body is over: the client waits for its answer (a server's receive blocks)
+            await asyncio.Event().wait()
         read[0] += 1
         return {"type": "http.request", "body": piece[0], "more_body": piece[1]}
 

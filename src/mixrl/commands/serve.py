@@ -18,13 +18,23 @@ start. Clients send ``Authorization: Bearer KEY`` (the ``openai`` client's
 
 Request bodies are limited to ``--max-body-mib`` (4 MiB; checked after the key,
 before reading), sessions to ``--max-sessions`` (4096, least recently used first
-out) and ``--session-ttl`` seconds unused (3600).
+out), ``--session-ttl`` seconds unused (3600) and ``--session-mib`` (256 MiB in all;
+``--session-max-mib``, 32, each), the template cache to ``--frame-cache-mib`` (32).
+
+Connections (``serve.guard``): headers within ``--header-timeout`` seconds (10) and
+the body within ``--body-timeout`` (30), else 408 and closed; idle ones kept
+``--keep-alive`` seconds (75); past ``--max-connections`` (1024) open ones, a new
+one is answered 503 at once. Each choice of a request waits for its client's turn
+at a slot of the fleet (``serve.fair``: round robin between clients, at most
+``--client-queue`` waiting each, 429 past it); a client is its API key when there are
+several (``--api-key`` repeated), else its address.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ipaddress
 import os
 import sys
@@ -35,6 +45,10 @@ from mixrl.config import ConfigError
 from mixrl.models.chat import ChatFormat, ChatTemplateError
 from mixrl.models.loading import resolve_model
 from mixrl.serve.app import BATCHING, loop_runner
+from mixrl.serve.bounds import MIB
+from mixrl.serve.conversation import FRAME_BYTES
+from mixrl.serve.core import SESSION_BYTES, SESSION_MAX_BYTES
+from mixrl.serve.guard import Guard
 from mixrl.system.heap import settle_heap
 from mixrl.system.seeds import stable_seed
 from mixrl.weights.refs import WeightsRef
@@ -46,7 +60,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=1, help="replicas per group (>= 1)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     parser.add_argument("--port", type=int, default=8000, help="port (0: any free port)")
-    parser.add_argument("--api-key", default=None, help="required API key (default: $MIXRL_API_KEY)")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="required API key (default: $MIXRL_API_KEY); repeat it for several clients, "
+                             "each then a client of its own in the fair shares")
     parser.add_argument("--max-total-tokens", type=int, default=2048, help="context budget per session")
     parser.add_argument("--max-tokens", type=int, default=256, help="default max_tokens of a request")
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template file (else the tokenizer's)")
@@ -59,9 +75,47 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds an unused session is kept (default 3600)")
     parser.add_argument("--max-sessions", type=int, default=4096,
                         help="sessions kept at most; past it the least recently used goes (default 4096)")
+    parser.add_argument("--session-mib", type=float, default=SESSION_BYTES / MIB,
+                        help=f"MiB all sessions' records hold at most (default {SESSION_BYTES // MIB})")
+    parser.add_argument("--session-max-mib", type=float, default=SESSION_MAX_BYTES / MIB,
+                        help=f"MiB one session holds at most; past it its earliest segments go "
+                             f"(default {SESSION_MAX_BYTES // MIB})")
+    parser.add_argument("--frame-cache-mib", type=float, default=FRAME_BYTES / MIB,
+                        help=f"MiB of the template cache (default {FRAME_BYTES // MIB})")
+    parser.add_argument("--header-timeout", type=float, default=Guard.header_timeout,
+                        help=f"seconds a request's headers may take (default {Guard.header_timeout:g}): then 408")
+    parser.add_argument("--body-timeout", type=float, default=Guard.body_timeout,
+                        help=f"seconds a request's body may take (default {Guard.body_timeout:g}): then 408")
+    parser.add_argument("--keep-alive", type=float, default=75.0,
+                        help="seconds an idle connection is kept between requests (default 75)")
+    parser.add_argument("--max-connections", type=int, default=Guard.max_connections,
+                        help=f"open connections at most (default {Guard.max_connections}); more are "
+                             "answered 503 at once")
+    parser.add_argument("--client-queue", type=int, default=256,
+                        help="generations (choices) one client may have waiting (default 256); more: 429")
 
 
 # A burst of HTTP requests reaches a sampler one parse at a time: gather it (idle_ms).
+
+
+def _fd_room(connections: int, spare: int = 256) -> int:
+    """``connections`` open at once, with ``spare`` descriptors beside them (workers, files): the
+    soft descriptor limit raised toward the hard one if needed, else the connections fewer."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = connections + spare
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return connections
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need if hard == resource.RLIM_INFINITY else min(need, hard), hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft >= need:
+        return connections
+    fewer = max(1, soft - spare)
+    print(f"mixrl serve: {soft} file descriptors at most: --max-connections {connections} lowered to {fewer}",
+          file=sys.stderr)
+    return fewer
 
 
 def _loopback(host: str) -> bool:
@@ -89,7 +143,7 @@ class _Replica:
         await self.sampler.close()
 
 
-async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[Any], api_key: str | None) -> None:
+async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[Any], api_key: list[str] | None) -> None:
     import uvicorn
     from safetensors.torch import load_file
 
@@ -120,11 +174,18 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
         weights.update(load_file(str(f)))
     fleet.publish(0, weights)
     await fleet.start()
+    from mixrl.serve.fair import FairGate
+
+    gate = FairGate(capacity=BATCHING["max_batch"] * sum(g.replicas for g in groups), max_queued=args.client_queue)
     core = ServeCore(chat, fleet.generate, model=args.model, max_total_tokens=args.max_total_tokens,
-                     default_max_tokens=args.max_tokens, session_ttl=args.session_ttl, max_sessions=args.max_sessions)
+                     default_max_tokens=args.max_tokens, session_ttl=args.session_ttl, max_sessions=args.max_sessions,
+                     session_bytes=int(args.session_mib * MIB), session_max_bytes=int(args.session_max_mib * MIB),
+                     frame_bytes=int(args.frame_cache_mib * MIB), gate=gate)
     app = make_app(core, api_key=api_key, max_body=int(args.max_body_mib * (1 << 20)))
+    guard = Guard(header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                  max_connections=_fd_room(args.max_connections))
     config = uvicorn.Config(app, host=args.host, port=args.port,
-                            timeout_keep_alive=75, **server_options())
+                            timeout_keep_alive=args.keep_alive, **server_options(guard))
     server = uvicorn.Server(config)
     task = asyncio.ensure_future(server.serve())
     while not server.started and not task.done():
@@ -142,7 +203,8 @@ async def _serve(args: argparse.Namespace, path: Any, chat: Any, profiles: list[
 
 
 def main(args: argparse.Namespace) -> int:
-    api_key = args.api_key or os.environ.get("MIXRL_API_KEY") or None
+    env_key = os.environ.get("MIXRL_API_KEY")
+    api_key = args.api_key or ([env_key] if env_key else None)
     if not _loopback(args.host) and not api_key:
         print(f"mixrl serve: refusing to listen on {args.host} without an API key: set --api-key or "
               "MIXRL_API_KEY (loopback addresses need none)", file=sys.stderr)
@@ -151,7 +213,12 @@ def main(args: argparse.Namespace) -> int:
         print("mixrl serve: --replicas must be >= 1, --port in [0, 65535], --max-total-tokens >= 2", file=sys.stderr)
         return 2
     for flag, value, lo in (("--max-body-mib", args.max_body_mib, 1 / 1024), ("--session-ttl", args.session_ttl, 1),
-                            ("--max-sessions", args.max_sessions, 1)):
+                            ("--max-sessions", args.max_sessions, 1), ("--session-mib", args.session_mib, 1),
+                            ("--session-max-mib", args.session_max_mib, 1 / 16),
+                            ("--frame-cache-mib", args.frame_cache_mib, 1 / 16),
+                            ("--header-timeout", args.header_timeout, 0.1), ("--body-timeout", args.body_timeout, 0.1),
+                            ("--keep-alive", args.keep_alive, 0.1), ("--max-connections", args.max_connections, 1),
+                            ("--client-queue", args.client_queue, 1)):
         if not value >= lo:
             print(f"mixrl serve: {flag} must be >= {lo:g}, got {value}", file=sys.stderr)
             return 2

@@ -5,8 +5,8 @@
     GET  /v1/models             the one model served
     GET  /health                liveness
 
-With an API key set, every /v1 route needs ``Authorization: Bearer KEY``
-(401 otherwise). Errors are OpenAI's JSON (``{"error": {...}}``): 400 for a
+With an API key set (or several: one per client), every /v1 route needs
+``Authorization: Bearer KEY`` (401 otherwise). Errors are OpenAI's JSON (``{"error": {...}}``): 400 for a
 malformed body (the parameter named), 401, 404, 405, 503 when the sampler
 failed, 500 for an internal error (its traceback logged on ``mixrl.serve``).
 
@@ -29,7 +29,9 @@ API key was checked: a wrong key is answered 401 without reading the body, a
 one (chunked) is counted as it arrives and answered 413 once past the limit
 (uvicorn discards what the client still sends; past ``UNREAD_CLOSE`` unread bytes,
 or an unknown number, the answer closes the connection instead, as Go's net/http
-does, so nobody streams gigabytes for the server to discard). A body above ``OFFLOAD_BYTES`` is
+does, so nobody streams gigabytes for the server to discard). A client that
+closes its connection before its answer cancels its request (its choices still waiting
+leave the fair gate). A body above ``OFFLOAD_BYTES`` is
 parsed, templated and tokenized in a worker thread (the tokenizer's batch call
 releases the interpreter lock), so ``/health`` and small requests are answered
 meanwhile.
@@ -50,6 +52,7 @@ from fastapi import FastAPI, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mixrl.serve.core import ApiError, ServeCore
+from mixrl.serve.guard import Guard, guarded_protocol
 
 SESSION_HEADER = b"x-session-id"  # or the body's "user" field
 MAX_BODY = 4 << 20  # bytes: the default body limit
@@ -61,17 +64,30 @@ dumps, loads = orjson.dumps, orjson.loads
 log = logging.getLogger("mixrl.serve")
 
 
-def make_app(core: ServeCore, api_key: str | None = None, max_body: int = MAX_BODY) -> _Generation:
-    """The ASGI app: the generation routes (``_Generation``) in front of a FastAPI app for the rest."""
-    expected = f"Bearer {api_key}".encode() if api_key is not None else None
+def make_app(core: ServeCore, api_key: str | Sequence[str] | None = None, max_body: int = MAX_BODY) -> _Generation:
+    """The ASGI app: the generation routes (``_Generation``) in front of a FastAPI app for the rest.
+    ``api_key``: one key, or several (each a client of its own to ``core.gate``; with one key
+    or none, a client is its address)."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    accepted = [f"Bearer {k}".encode() for k in keys]
+    expected = accepted or None
     app = FastAPI(title="mixrl", openapi_url=None, docs_url=None, redoc_url=None)
 
     def answer(status: int, out: Any) -> Response:
         return Response(dumps(out), status_code=status, media_type="application/json")
 
     def check_key(got: bytes) -> None:
-        if expected is not None and not hmac.compare_digest(got, expected):
+        if expected is not None and not any([hmac.compare_digest(got, e) for e in expected]):  # each compared
             raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    def client_of(auth: bytes, scope: dict[str, Any]) -> str:
+        """Who sent it, for the fair shares: its key among several, else its address."""
+        if len(accepted) > 1:
+            for i, e in enumerate(accepted):
+                if hmac.compare_digest(auth, e):
+                    return f"key{i}"
+        addr = scope.get("client")
+        return f"addr:{addr[0]}" if addr else "addr:?"
 
     async def respond(path: str, work: Callable[[], Awaitable[Any]]) -> tuple[int, Any]:
         """The route's status and JSON: its result, an OpenAI-shaped error, or a logged 500."""
@@ -84,11 +100,11 @@ def make_app(core: ServeCore, api_key: str | None = None, max_body: int = MAX_BO
             log.exception("internal error answering %s", path)
             return 500, ApiError(500, "internal server error", type_="server_error").body()
 
-    async def generation(handle: Handler, path: str, sid: str | None, raw: bytes) -> tuple[int, Any]:
+    async def generation(handle: Handler, path: str, sid: str | None, raw: bytes, client: str) -> tuple[int, Any]:
         async def work() -> Any:
             heavy = len(raw) > OFFLOAD_BYTES
             body = await asyncio.to_thread(_json_object, raw) if heavy else _json_object(raw)
-            return await handle(body, _session(sid, body), heavy)
+            return await handle(body, _session(sid, body), heavy, client)
 
         return await respond(f"POST {path}", work)
 
@@ -124,10 +140,10 @@ def make_app(core: ServeCore, api_key: str | None = None, max_body: int = MAX_BO
         return answer(e.status_code, ApiError(e.status_code, str(e.detail), code=code).body())
 
     routes: dict[str, Handler] = {"/v1/chat/completions": core.chat_completion, "/v1/completions": core.completion}
-    return _Generation(app, routes, generation, refuse, max_body)
+    return _Generation(app, routes, generation, refuse, max_body, client_of)
 
 
-Handler = Callable[[dict[str, Any], "str | None", bool], Awaitable[Any]]
+Handler = Callable[[dict[str, Any], "str | None", bool, str], Awaitable[Any]]
 
 
 def _too_large(limit: int) -> ApiError:
@@ -157,8 +173,10 @@ class _Generation:
     """ASGI: POSTs to the generation paths answered from the raw scope; anything else to ``app``."""
 
     def __init__(self, app: Any, routes: dict[str, Handler], run: Callable[..., Awaitable[tuple[int, Any]]],
-                 refuse: Callable[[bytes | None, int | None], tuple[int, Any] | None], max_body: int) -> None:
+                 refuse: Callable[[bytes | None, int | None], tuple[int, Any] | None], max_body: int,
+                 client_of: Callable[[bytes, dict[str, Any]], str]) -> None:
         self.app, self.routes, self.run, self.refuse, self.max_body = app, routes, run, refuse, max_body
+        self.client_of = client_of
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         handle = self.routes.get(scope["path"]) if scope["type"] == "http" else None
@@ -191,7 +209,23 @@ class _Generation:
             chunks.append(chunk)
             if not msg.get("more_body", False):
                 break
-        status, out = await self.run(handle, scope["path"], sid, chunks[0] if len(chunks) == 1 else b"".join(chunks))
+        raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        work = asyncio.ensure_future(self.run(handle, scope["path"], sid, raw, self.client_of(auth, scope)))
+        watch = asyncio.ensure_future(receive())  # after the body, the next message is the client leaving
+
+        def left(_: Any) -> None:
+            work.cancel()  # its queued choices leave the fair gate, nothing is answered
+
+        watch.add_done_callback(left)
+        try:
+            status, out = await work
+        except asyncio.CancelledError:
+            if watch.done() and not watch.cancelled():
+                return  # nobody to answer
+            raise
+        finally:
+            watch.remove_done_callback(left)
+            watch.cancel()
         await _send(send, status, out)
 
 
@@ -211,17 +245,13 @@ def loopback_socket() -> socket.socket:
     return sock
 
 
-def server_options() -> dict[str, Any]:
+def server_options(guard: Guard | None = None) -> dict[str, Any]:
     """uvicorn settings of every server of this app: httptools' HTTP parser where installed
-    (``uvicorn[standard]``; h11, pure Python, costs more per request), no proxy-header
-    rewriting (the app never reads the client's address), no access log."""
-    try:
-        import httptools  # noqa: F401
-    except ImportError:
-        http = "h11"
-    else:
-        http = "httptools"
-    return {"http": http, "proxy_headers": False, "access_log": False, "log_level": "warning"}
+    (``uvicorn[standard]``; h11, pure Python, costs more per request) under ``guard``'s
+    deadlines and connection limit (``guard.Guard()``'s defaults when None), no proxy-header
+    rewriting (the client's address is the socket's, not a header's), no access log."""
+    return {"http": guarded_protocol(guard or Guard()), "proxy_headers": False, "access_log": False,
+            "log_level": "warning"}
 
 
 # How the endpoint's replicas batch concurrent requests (`mixrl serve` and its benchmarks).

@@ -26,6 +26,7 @@ from typing import Any
 from mixrl.records.generation import GenerationRequest, GenerationResult
 from mixrl.serve.app import MAX_BODY, loopback_socket, make_app, server_options
 from mixrl.serve.core import ApiError, ServeCore
+from mixrl.serve.guard import Guard
 from mixrl.system.heap import settle_heap
 
 
@@ -46,7 +47,7 @@ class InRunEndpoint:
                   model: str = "policy", max_body: int | None = None) -> InRunEndpoint:
         """The loop's endpoint, started on first use. ``max_body``: the body limit in bytes
         (default ``app.MAX_BODY``). Its sessions are the registered episodes': unbounded in
-        number and age (each episode finishes its own), and kept when a request fails."""
+        number, age and bytes (each episode finishes its own), and kept when a request fails."""
         loop = asyncio.get_running_loop()
         ep = cls._instances.get(id(loop))
         if ep is not None and not ep._task.done():
@@ -68,7 +69,8 @@ class InRunEndpoint:
             return adapt_fn(params) if adapt_fn is not None else params
 
         core = ServeCore(chat, generate, model=model, max_total_tokens=max_total_tokens, record=record, adapt=adapt,
-                         session_ttl=None, max_sessions=None, owned=routes.__contains__)
+                         session_ttl=None, max_sessions=None, session_bytes=None, session_max_bytes=None,
+                         owned=routes.__contains__)
         api_key = secrets.token_urlsafe(24)
         sock = loopback_socket()  # bound now: no other process can take the port meanwhile
         port = sock.getsockname()[1]
@@ -76,7 +78,8 @@ class InRunEndpoint:
         # agent sends its next request would fail that request (agents' clients do not retry)
         app = make_app(core, api_key=api_key, max_body=MAX_BODY if max_body is None else max_body)
         config = uvicorn.Config(app, host="127.0.0.1", port=port,
-                                lifespan="off", timeout_keep_alive=300, **server_options())
+                                lifespan="off", timeout_keep_alive=300,
+                            **server_options(Guard(max_connections=None)))  # the run's own agents: no cap
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # the run owns Ctrl-C
         task = asyncio.ensure_future(server.serve(sockets=[sock]))
