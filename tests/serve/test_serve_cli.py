@@ -57,7 +57,9 @@ def test_serves_two_groups_on_localhost_with_a_key(tiny: Path) -> None:
         proc.wait(timeout=60)
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--max-body-mib", "0"), ("--session-ttl", "0"), ("--max-sessions", "0")])
+@pytest.mark.parametrize(("flag", "value"), [("--max-body-mib", "0"), ("--session-ttl", "0"), ("--max-sessions", "0"),
+                                             ("--header-timeout", "0"), ("--max-connections", "0"),
+                                             ("--session-mib", "0"), ("--client-queue", "0")])
 def test_bad_limits_are_one_line(tiny: Path, flag: str, value: str) -> None:
     r = subprocess.run([*MIXRL, "serve", str(tiny), flag, value], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and flag in r.stderr

@@ -82,6 +82,17 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
         Headline("p99_hostile_over_long_replies", "the same p99 over a load of long replies alone"),
         Headline("rss_after_over_before", "server RSS after the hostile load over before", "<=", 1.1),
         Headline("leaked_sessions", "sessions left behind by failed requests", "==", 0),
+        *(Headline(f"attacks.{name}.p99_over_quiet", f"normal-client p99 under {label}, over quiet", "<=", 1.5,
+                   limit="attacks.cpu_busy.p99_over_quiet", limit_label="one busy core")
+          for name, label in (("slow_headers", "200 slow-header sockets"), ("slow_bodies", "200 slow-body sockets"),
+                              ("idle_sockets", "idle sockets past the connection limit"),
+                              ("failing_3mb", "40 failing 3 MB requests"),
+                              ("sessions", "growing and rewritten named sessions"))),
+        Headline("attacks.fairness.p99_over_quiet", "normal-client p99 beside 16 clients of 16 x 2,000 tokens, "
+                 "over quiet", "<=", 1.5, limit="attacks.fair_limit.p99_over_quiet", limit_label="engine shared"),
+        Headline("attacks.worst_rss_after_over_before", "server RSS after an attack over before, worst attack",
+                 "<=", 1.2),
+        Headline("attacks.fds_leaked", "server file descriptors left open after the attacks", "==", 0),
     ),
     "trainer": (
         Headline("peak_mb_1024_over_128", "update peak memory, 1,024 over 128 trajectories", "<=", 1.3),

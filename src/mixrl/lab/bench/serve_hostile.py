@@ -31,6 +31,9 @@ engine is in its worker) after a warm-up round and after the last round
 (``anon_*``: the server's own allocations, not the mapped libraries that other
 processes' memory pressure evicts; its peak sampled every 50 ms);
 ``leaked_sessions``: sessions left beside the warm-up's (goal 0); the attackers' requests by status; the 1-minute load average.
+Then each attack of ``serve_attacks`` beside a normal client (``--attack-seconds`` each; 0
+skips them), on the same server: its deadlines, connection limit, session bound and fair
+gate are reported under ``limits``, each attack's figures under ``attacks``.
 The model is ``--long-model`` (default ``random:256x4``: a random Qwen3 that
 rarely ends a turn, so long replies are long), or ``--model`` when that is ``none``.
 """
@@ -63,6 +66,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hostile-seconds", type=float, default=300.0, help="the whole load's time limit")
     parser.add_argument("--hostile-pause", type=float, default=0.1,
                         help="seconds each attacker waits between attempts (0: as fast as it can)")
+    parser.add_argument("--attack-seconds", type=float, default=15.0,
+                        help="seconds of each attack beside the normal client (serve_attacks); 0: none")
 
 
 # -- client side (a second process) ------------------------------------------------------
@@ -180,12 +185,16 @@ async def _attackers(port: int, stop: asyncio.Event, seen: Counter, hostile: boo
     async def slow(_: int) -> None:  # 64 bytes every 100 ms, never finished
         r, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(_head(CHAT, _auth(**{"Content-Length": "1000000"})))
-        while not stop.is_set():
-            w.write(b" " * 64)
-            await w.drain()
-            await asyncio.sleep(0.1)
-        w.close()
-        seen["slow_body:abandoned"] += 1
+        try:
+            while not stop.is_set():
+                w.write(b" " * 64)
+                await w.drain()
+                await asyncio.sleep(0.1)
+            seen["slow_body:abandoned"] += 1
+        except OSError:
+            seen["slow_body:closed"] += 1  # the server's body deadline
+        finally:
+            w.close()
 
     async def failing(i: int) -> None:
         conn = await _Conn(port).open()
@@ -244,7 +253,15 @@ async def _client(port: int, args: argparse.Namespace) -> None:
             if attack is not None:
                 stop.set()
                 await attack
-    say(event="done", latencies=lat, attackers=dict(sorted(seen.items())))
+    attacks: dict[str, Any] = {}
+    if args.attack_seconds > 0:
+        from mixrl.lab.bench import serve_attacks
+
+        async def wait(_: Any) -> None:
+            await asyncio.to_thread(sys.stdin.readline)  # the server has taken its figures
+
+        attacks = await serve_attacks.client(port, args, say, wait)
+    say(event="done", latencies=lat, attackers=dict(sorted(seen.items())), attacks=attacks)
 
 
 # -- server side (this process) ----------------------------------------------------------
@@ -274,12 +291,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     import uvicorn
     from transformers import AutoTokenizer
 
+    from mixrl.lab.bench import serve_attacks
     from mixrl.lab.bench.fixtures import random_model
     from mixrl.models.chat import ChatFormat
     from mixrl.models.loading import resolve_model
+    from mixrl.records.generation import GenerationRequest, SamplingParams
     from mixrl.runtime.backends.embedded.process import ProcessSampler
     from mixrl.serve.app import BATCHING, loopback_socket, make_app, server_options
     from mixrl.serve.core import ServeCore
+    from mixrl.serve.fair import FairGate
     from mixrl.system.heap import settle_heap
 
     model = args.long_model if args.long_model != "none" else args.model
@@ -292,11 +312,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     async def generate(session: str, request: Any) -> Any:
         return await sampler.generate(request)
 
-    core = ServeCore(chat, generate, model="policy", max_total_tokens=1024, default_max_tokens=args.max_tokens)
+    gate = FairGate(capacity=BATCHING["max_batch"])
+    core = ServeCore(chat, generate, model="policy", max_total_tokens=1024, default_max_tokens=args.max_tokens,
+                     session_bytes=serve_attacks.SESSION_MIB * MIB, gate=gate)
+    guard = serve_attacks.guard()
+    args.limit, args.room = guard.max_connections, gate.capacity - gate.reserve  # for the attackers
     sock = loopback_socket()
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(make_app(core, api_key=KEY), lifespan="off", timeout_keep_alive=300,
-                                           **server_options()))
+                                           **server_options(guard)))
     server.install_signal_handlers = lambda: None
     task = asyncio.ensure_future(server.serve(sockets=[sock]))
     while not server.started:
@@ -323,12 +347,37 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         before, peak[0] = _rss(), 0
         proc.stdin.write(b"go\n")
         await proc.stdin.drain()
-        line = await proc.stdout.readline()
+        rounds_done, after, marks, kept = False, before, {}, None
+        probe_ids = chat.encode("probe")
+
+        async def probe() -> None:
+            await sampler.generate(GenerationRequest(probe_ids, SamplingParams(max_new_tokens=1)))
+
+        t0 = time.perf_counter()
+        await probe()
+        quiet_probe = time.perf_counter() - t0
+        while (line := await proc.stdout.readline()):
+            msg = json.loads(line)
+            if msg["event"] == "done":
+                break
+            if not rounds_done:  # the rounds are over: their "after" figures
+                gc.collect()
+                after, rounds_done, kept = _rss(), True, list(core.sessions.sessions)
+            if msg["at"] == "after":
+                await serve_attacks.drain(core, probe, quiet_probe)
+            gc.collect()
+            marks[f"{msg['name']}:{msg['at']}"] = {
+                "rss_mb": round(_rss()[0] / 2**20, 1), "fds": serve_attacks.fds(),
+                "sessions_mb": round(core.sessions.bytes / 2**20, 1),
+                "frames_mb": round(core.sessions.frames.bytes / 2**20, 1)}
+            proc.stdin.write(b"ok\n")
+            await proc.stdin.drain()
         if await proc.wait() or not line:
             raise RuntimeError(f"the client process exited with {proc.returncode}")
         out = json.loads(line)
-        gc.collect()
-        after = _rss()
+        if not rounds_done:
+            gc.collect()
+            after = _rss()
     finally:
         sampling.cancel()
         server.should_exit = True
@@ -336,7 +385,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await sampler.close()
     load.append(round(os.getloadavg()[0], 2))
     lat = out["latencies"]
-    legit = sum(1 for s in core.sessions.sessions if s.startswith("warm-"))  # the warm-up's conversations
+    kept = list(core.sessions.sessions) if kept is None else kept  # after the rounds, before the attacks
+    legit = sum(1 for s in kept if s.startswith("warm-"))  # the warm-up's conversations
     p99 = {kind: _p(lat[kind], 0.99) for kind in KINDS}
     return {
         "p99_hostile_over_quiet": round(p99["hostile"] / p99["quiet"], 3),
@@ -348,17 +398,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "rss_after_over_before": round(after[0] / before[0], 3),
         "anon_before_mb": round(before[1] / 2**20, 1), "anon_after_mb": round(after[1] / 2**20, 1),
         "anon_peak_mb": round(peak[0] / 2**20, 1), "anon_after_over_before": round(after[1] / before[1], 3),
-        "leaked_sessions": len(core.sessions.sessions) - legit, "sessions_kept": legit,
+        "leaked_sessions": len(kept) - legit, "sessions_kept": legit,
         "sessions_evicted": core.sessions.evicted, "attackers": out["attackers"],
         "errors_answered": core.counts["errors"], "rounds": args.hostile_rounds, "sessions": args.sessions,
         "turns": args.turns, "max_tokens": args.max_tokens, "model": model, "profile": args.profile,
-        "hostile_pause_s": args.hostile_pause, "load_avg_1m": load}
+        "hostile_pause_s": args.hostile_pause, "load_avg_1m": load,
+        "attacks": serve_attacks.report(out.get("attacks") or {}, marks),
+        "limits": {"header_timeout_s": guard.header_timeout, "body_timeout_s": guard.body_timeout,
+                   "max_connections": guard.max_connections, "session_mib": serve_attacks.SESSION_MIB,
+                   "fair_capacity": gate.capacity, "fair_reserve": gate.reserve, "attack_seconds": args.attack_seconds}}
 
 
 def main(args: argparse.Namespace) -> int:
     """``mixrl bench serve --hostile``: checked flags, then ``run``; exit 2 naming a bad flag."""
-    if args.hostile_rounds < 1 or not args.hostile_seconds > 0 or not args.hostile_pause >= 0:
-        print("mixrl bench serve: --hostile-rounds must be >= 1, --hostile-seconds > 0, --hostile-pause >= 0",
+    if (args.hostile_rounds < 1 or not args.hostile_seconds > 0 or not args.hostile_pause >= 0
+            or not args.attack_seconds >= 0):
+        print("mixrl bench serve: --hostile-rounds must be >= 1, --hostile-seconds > 0, --hostile-pause >= 0, "
+              "--attack-seconds >= 0",
               flush=True, file=sys.stderr)
         return 2
     from mixrl.serve.app import loop_runner
