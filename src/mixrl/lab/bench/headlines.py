@@ -86,8 +86,10 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
                    limit="attacks.cpu_busy.p99_over_quiet", limit_label="one busy core")
           for name, label in (("slow_headers", "200 slow-header sockets"), ("slow_bodies", "200 slow-body sockets"),
                               ("idle_sockets", "idle sockets past the connection limit"),
-                              ("failing_3mb", "40 failing 3 MB requests"),
-                              ("sessions", "growing and rewritten named sessions"))),
+                              ("failing_3mb", "40 failing 3 MB requests"))),
+        Headline("attacks.sessions.p99_over_quiet", "normal-client p99 beside growing and rewritten named sessions "
+                 "(another client; real generations), over quiet", "<=", 1.5,
+                 limit="attacks.fair_limit.p99_over_quiet", limit_label="engine shared"),
         Headline("attacks.fairness.p99_over_quiet", "normal-client p99 beside 16 clients of 16 x 2,000 tokens, "
                  "over quiet", "<=", 1.5, limit="attacks.fair_limit.p99_over_quiet", limit_label="engine shared"),
         Headline("attacks.worst_rss_after_over_before", "server RSS after an attack over before, worst attack",

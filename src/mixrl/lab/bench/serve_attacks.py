@@ -8,7 +8,8 @@ After ``serve_hostile``'s rounds, the same server (``GUARD``'s deadlines and lim
 - ``idle_sockets``: sockets that send nothing, up to the connection limit and 64 past it;
 - ``failing_3mb``: 40 distinct 3 MB requests (tools, a name, tool-call arguments,
   contents), each refused with a 400;
-- ``sessions``: 16 named sessions growing turn by turn and one rewritten at every request;
+- ``sessions``: 16 named sessions growing turn by turn and one rewritten at every request, from
+  their own address (a client of the fair gate other than the normal one: their generations are real load);
 - ``fairness``: 16 clients (each its own address, 127.0.0.2-17) sending 16-choice
   requests of 2,000 tokens;
 
@@ -36,10 +37,16 @@ import time
 from collections import Counter
 from typing import Any
 
-from mixrl.lab.bench.serve_hostile import CHAT, MIB, _auth, _Conn, _head, _p, _read
+from mixrl.lab.bench.http_wire import CHAT, MIB
+from mixrl.lab.bench.http_wire import Conn as _Conn
+from mixrl.lab.bench.http_wire import auth as _auth
+from mixrl.lab.bench.http_wire import p_ms as _p
+from mixrl.lab.bench.http_wire import post_head as _head
+from mixrl.lab.bench.http_wire import read_response as _read
 
 ATTACKS = ("slow_headers", "slow_bodies", "idle_sockets", "failing_3mb", "sessions", "cpu_busy",
            "fair_limit", "fairness")
+SESSIONS_ADDR = "127.0.0.3"  # the session attackers are one client of their own (not the normal client's address)
 MACHINE = ("cpu_busy", "fair_limit")  # the machine's limits, not attacks
 NORMAL = 2  # the normal client's concurrent conversations
 QUIET_S = 6.0
@@ -178,8 +185,8 @@ async def _failing(port: int, stop: asyncio.Event, seen: Counter) -> None:
 
 
 async def _grow(port: int, stop: asyncio.Event, seen: Counter, i: int) -> None:
-    """A named session extended turn by turn (a new one once past the context)."""
-    conn, gen = await _Conn(port).open(), 0
+    """A named session extended turn by turn (a new one once past the context), from its own address."""
+    conn, gen = await _Conn(port, SESSIONS_ADDR).open(), 0
     msgs: list[dict[str, Any]] = []
     try:
         while not stop.is_set():
@@ -198,7 +205,7 @@ async def _grow(port: int, stop: asyncio.Event, seen: Counter, i: int) -> None:
 
 async def _rewrite(port: int, stop: asyncio.Event, seen: Counter) -> None:
     """One named session whose history changes at every request: a new segment each time."""
-    conn, k = await _Conn(port).open(), 0
+    conn, k = await _Conn(port, SESSIONS_ADDR).open(), 0
     try:
         while not stop.is_set():
             body = json.dumps({"messages": [{"role": "user", "content": f"Draft {k}"}], "max_tokens": 64}).encode()

@@ -51,11 +51,15 @@ import time
 from collections import Counter
 from typing import Any
 
+from mixrl.lab.bench.http_wire import CHAT, KEY, MIB
+from mixrl.lab.bench.http_wire import Conn as _Conn
+from mixrl.lab.bench.http_wire import auth as _auth
+from mixrl.lab.bench.http_wire import p_ms as _p
+from mixrl.lab.bench.http_wire import post_head as _head
+from mixrl.lab.bench.http_wire import read_response as _read
 from mixrl.system.jsonout import json_text
 
-KEY = "bench"
 KINDS = ("quiet", "long_replies", "hostile")  # the rounds, interleaved
-CHAT = "/v1/chat/completions"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -70,43 +74,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="seconds of each attack beside the normal client (serve_attacks); 0: none")
 
 
-# -- client side (a second process) ------------------------------------------------------
-async def _read(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    status = int((await reader.readline()).split()[1])
-    length = 0
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        if name.strip().lower() == "content-length":
-            length = int(value)
-    return status, await reader.readexactly(length)
-
-
-def _head(path: str, headers: dict[str, str]) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-            + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n").encode()
-
-
-class _Conn:
-    """One keep-alive connection."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-
-    async def open(self) -> _Conn:
-        self.r, self.w = await asyncio.open_connection("127.0.0.1", self.port)
-        return self
-
-    async def post(self, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
-        self.w.write(_head(CHAT, {"Content-Length": str(len(body)), **headers}) + body)
-        await self.w.drain()
-        return await _read(self.r)
-
-    def close(self) -> None:
-        self.w.close()
-
-
-def _auth(key: str = KEY, **extra: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}", "Content-Type": "application/json", **extra}
+# -- client side (a second process): mixrl.lab.bench.http_wire ------------------------
 
 
 async def _well_formed(port: int, args: argparse.Namespace, session: str | None) -> list[float]:
@@ -135,7 +103,6 @@ async def _well_formed(port: int, args: argparse.Namespace, session: str | None)
     return lat
 
 
-MIB = 1 << 20
 FAILING = [  # (kind, body): each refused with a 400
     ("past_context", {"messages": [{"role": "user", "content": "1+2=3; " * 300}]}),
     ("one_mib_text", {"messages": [{"role": "user", "content": "x" * MIB}]}),
@@ -278,11 +245,6 @@ def _rss() -> tuple[int, int]:
 
         rss = int(psutil.Process().memory_info().rss)
         return rss, rss
-
-
-def _p(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return round(xs[min(len(xs) - 1, int(q * len(xs)))] * 1e3, 1) if xs else float("nan")
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
