@@ -56,3 +56,45 @@ def test_chunked_body_first_headers_and_a_gone_client(tiny: Path) -> None:
     sent = _call(app, [b""], auth, method="PUT")
     assert sent[0]["status"] == 405 and dict(sent[0]["headers"])[b"allow"] == b"POST"
     assert json.loads(sent[1]["body"])["error"]["message"]
+
+
+def test_a_client_that_leaves_cancels_its_generation(tiny: Path) -> None:
+    """The body arrived, generation started, then the client left: the generation is cancelled and
+    nothing is answered."""
+    from transformers import AutoTokenizer
+
+    from mixrl.models.chat import ChatFormat
+    from mixrl.serve.app import make_app
+    from mixrl.serve.core import ServeCore
+
+    started, cancelled = asyncio.Event(), []
+
+    async def generate(session, request):  # type: ignore[no-untyped-def]
+        started.set()
+        try:
+            await asyncio.Event().wait()  # an engine that takes its time
+        except asyncio.CancelledError:
+            cancelled.append(request.request_id)
+            raise
+
+    core = ServeCore(ChatFormat(AutoTokenizer.from_pretrained(str(tiny))), generate, model="tiny", max_total_tokens=400)
+    app = make_app(core, api_key="k")
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
+             "root_path": "", "headers": [(b"authorization", b"Bearer k")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 2)}
+    sent: list[dict] = []
+    first = [True]
+
+    async def receive() -> dict:
+        if first[0]:
+            first[0] = False
+            return {"type": "http.request", "body": BODY, "more_body": False}
+        await started.wait()  # the client leaves once its request is being generated
+        return {"type": "http.disconnect"}
+
+    async def send(m: dict) -> None:
+        sent.append(m)
+
+    asyncio.run(asyncio.wait_for(app(scope, receive, send), timeout=30))
+    assert sent == [] and len(cancelled) == 1
