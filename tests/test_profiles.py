@@ -33,7 +33,9 @@ def test_catalogue_has_the_seed_fleet_and_references() -> None:
     profiles = load_profiles()
     builtin = {n for n, p in profiles.items() if p.engine == "builtin"}
     stress = {"stress-b200-nvfp4", "stress-b300-mxfp4", "stress-h100-fp8"}
-    assert builtin == set(SEED) | {"fp32", "bf16", "fp16"} | stress
+    w8a8 = {"h100-fp8-w8a8", "h100-fp8-scaled"}  # FP8 W8A8, emulated and real (torch._scaled_mm)
+    assert builtin == set(SEED) | {"fp32", "bf16", "fp16"} | stress | w8a8
+    assert [profiles[n].fp8_gemm for n in sorted(w8a8)] == ["scaled_mm", "emulated"]
     for name in stress:  # the study's stress fleet: same GPUs and prices, harsher numerics
         p = profiles[name]
         assert p.activation_format != "none" and p.quantize_lm_head and p.price_per_hour > 0

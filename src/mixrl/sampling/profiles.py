@@ -73,6 +73,12 @@ class Profile(BaseModel):
     quantize_lm_head: bool = Field(
         False, description="also quantize lm_head (real FP4 deployments often keep it BF16)"
     )
+    fp8_gemm: Literal["emulated", "scaled_mm"] = Field(
+        "emulated",
+        description="built-in engine, FP8 W8A8 (weight and activation fp8_e4m3): 'emulated' multiplies "
+        "the fake-quantized operands in the compute dtype; 'scaled_mm' keeps them in E4M3 and multiplies "
+        "them with torch._scaled_mm (row-wise scales, bf16 out), the real FP8 GEMM of a GPU",
+    )
     price_per_hour: float = Field(
         ge=0, le=1000, description="USD per GPU-hour, used by the cost model"
     )
@@ -126,6 +132,17 @@ class Profile(BaseModel):
             if self.engine != "builtin":
                 raise ValueError("kv_static_scale is emulated by the built-in engine only "
                                  f"(engine={self.engine!r})")
+        return self
+
+    @model_validator(mode="after")
+    def _real_fp8(self) -> Profile:
+        if self.fp8_gemm == "scaled_mm":
+            need = {"engine": "builtin", "weight_format": "fp8_e4m3", "activation_format": "fp8_e4m3",
+                    "compute_dtype": "bfloat16", "quantize_lm_head": False}
+            bad = [f"{k}={getattr(self, k)!r}" for k, v in need.items() if getattr(self, k) != v]
+            if bad:
+                raise ValueError("fp8_gemm='scaled_mm' needs " + ", ".join(f"{k}={v!r}" for k, v in need.items())
+                                 + f"; got {', '.join(bad)}")
         return self
 
     @property

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from mixrl.sampling.builtin.kv_cache import KVCache
 from mixrl.sampling.builtin.linear import PackedLinear, SwiGLU
+from mixrl.sampling.builtin.linear_fp8 import ScaledLinear, ScaledSwiGLU
 from mixrl.sampling.builtin.precision import Precision
 
 # model_type -> (HF modeling module and class prefix, q/k head norms, q/k/v biases, o bias); a bias
@@ -112,10 +113,11 @@ class Layer:
     ln2: torch.Tensor  # [H]
     # [Hq + Hkv, D]: q_norm * D^-0.5 per query head, then k_norm per kv head; None: no head norms
     qk_norm: torch.Tensor | None
-    qkv: PackedLinear  # [(Hq + 2 Hkv) D, H] (+ bias, Shape.qkv_bias); q rows * D^-0.5 without head norms
-    o: PackedLinear  # [H, Hq D] (+ bias, Shape.o_bias)
-    mlp: SwiGLU  # gate and up [I, H]
-    down: PackedLinear  # [H, I]
+    # PackedLinear, or linear_fp8.ScaledLinear / ScaledSwiGLU for real FP8 (Precision.scaled_mm)
+    qkv: Any  # [(Hq + 2 Hkv) D, H] (+ bias, Shape.qkv_bias); q rows * D^-0.5 without head norms
+    o: Any  # [H, Hq D] (+ bias, Shape.o_bias)
+    mlp: Any  # SwiGLU: gate and up [I, H]
+    down: Any  # [H, I]
 
 
 @dataclass
@@ -174,12 +176,14 @@ def build_weights(
         return get(name).to(dt, copy=True)
 
     def lin(name: str) -> torch.Tensor:  # a Linear weight: quantize in fp32, then cast (the fused ops copy)
-        return prec.weight(get(name)).to(dt)
+        return get(name) if prec.scaled_mm else prec.weight(get(name)).to(dt)  # real FP8: the layer quantizes
 
     # the attention scale rides on q (RoPE is linear): on its head norm's weight, or without
     # head norms on q's weight and bias (after quantizing); no pass over the scores
     scale = shape.head_dim**-0.5
     q_scale = 1.0 if shape.qk_norm else scale
+    # real FP8 (Profile.fp8_gemm): E4M3 layers quantize the fp32 weights themselves, bf16 out
+    Lin, Glu, arg = (ScaledLinear, ScaledSwiGLU, dt) if prec.scaled_mm else (PackedLinear, SwiGLU, batch_hint)
     layers = []
     for i in range(shape.layers):
         p = f"model.layers.{i}."
@@ -195,16 +199,17 @@ def build_weights(
                 get(a + "k_norm.weight").expand(shape.kv_heads, -1),
             ]).to(dt)  # fmt: skip
         q = prec.weight(get(a + "q_proj.weight"))
-        qkv = [(q if q_scale == 1.0 else q * q_scale).to(dt), lin(a + "k_proj.weight"), lin(a + "v_proj.weight")]
+        q = q if q_scale == 1.0 else q * q_scale
+        qkv = [q if prec.scaled_mm else q.to(dt), lin(a + "k_proj.weight"), lin(a + "v_proj.weight")]
         layers.append(
             Layer(
                 ln1=own(p + "input_layernorm.weight"),
                 ln2=own(p + "post_attention_layernorm.weight"),
                 qk_norm=qk_norm,
-                qkv=PackedLinear.fused(qkv, b_qkv, batch_hint),
-                o=PackedLinear.fused([lin(a + "o_proj.weight")], b_o, batch_hint),
-                mlp=SwiGLU(lin(p + "mlp.gate_proj.weight"), lin(p + "mlp.up_proj.weight"), batch_hint),
-                down=PackedLinear.fused([lin(p + "mlp.down_proj.weight")], None, batch_hint),
+                qkv=Lin.fused(qkv, b_qkv, arg),
+                o=Lin.fused([lin(a + "o_proj.weight")], b_o, arg),
+                mlp=Glu(lin(p + "mlp.gate_proj.weight"), lin(p + "mlp.up_proj.weight"), arg),
+                down=Lin.fused([lin(p + "mlp.down_proj.weight")], None, arg),
             )
         )
     embed = get("model.embed_tokens.weight")

@@ -155,6 +155,9 @@ class BuiltinEngine(Engine):
         self.max_context = max_context or limit
         self.profile = profile
         self.prec = from_profile(profile)
+        if self.prec.scaled_mm and not use_fast:
+            raise ValueError(f"fp8_gemm='scaled_mm' runs on the fast path only (dense decoders); this model "
+                             f"takes the generic one: {why_not or 'forward=' + repr(forward)}")
         self.group = group
         self.seed = seed
         self.max_batch = max_batch

@@ -8,7 +8,9 @@ turns them into callables once, so the forward pass never branches on names:
                      ``x`` shaped ``[..., head_dim]`` (``numerics.quantize_kv``);
 - ``act(x)``         fake-quantizes the input of a Linear, ``x`` shaped ``[..., in]``
                      (``numerics.quantize_activation``), or ``None`` when off;
-- ``dtype``          the compute dtype; the cache is stored in it after ``kv``.
+- ``dtype``          the compute dtype; the cache is stored in it after ``kv``;
+- ``scaled_mm``      FP8 W8A8 on real E4M3 operands (``linear_fp8``): then ``weight`` and
+                     ``act`` are identities, the layers quantize their own operands.
 
 Identity formats ("fp32"/"float32"/"none"/None) skip ``mixrl.numerics`` entirely,
 so the FP32 engine works without it; every other name goes to ``numerics``, which
@@ -59,6 +61,7 @@ class Precision:
     act: Hook | None  # Linear inputs; None = off
     quantize_lm_head: bool
     describe: str  # one line for logs and bench JSON
+    scaled_mm: bool = False  # Linear layers are linear_fp8.ScaledLinear (Profile.fp8_gemm)
 
 
 def from_profile(profile: Any) -> Precision:
@@ -74,6 +77,10 @@ def from_profile(profile: Any) -> Precision:
     weight: Hook = identity
     kv: Hook | None = None
     act: Hook | None = None
+    scaled_mm = getattr(profile, "fp8_gemm", "emulated") == "scaled_mm"
+    label = f"weights={wf} kv={kf}{'' if getattr(profile, 'kv_static_scale', None) is None else '@static'} act={af}"
+    if scaled_mm:  # the layers hold E4M3 operands themselves (Profile checks the formats)
+        wf, af, label = "none", "none", label + " gemm=scaled_mm"
     if not (_is_identity(wf) and _is_identity(kf) and _is_identity(af)):
         from mixrl import numerics  # lazily: the FP32 engine does not need it
 
@@ -91,5 +98,6 @@ def from_profile(profile: Any) -> Precision:
         kv=kv,
         act=act,
         quantize_lm_head=bool(getattr(profile, "quantize_lm_head", False)),
-        describe=f"weights={wf} kv={kf}{'' if getattr(profile, 'kv_static_scale', None) is None else '@static'} act={af} compute={dtype} lm_head_q={getattr(profile, 'quantize_lm_head', False)}",
+        scaled_mm=scaled_mm,
+        describe=f"{label} compute={dtype} lm_head_q={getattr(profile, 'quantize_lm_head', False)}",
     )
