@@ -8,10 +8,17 @@ would from CUDA. ``init_group(rank, world, port)`` joins a process group whose
 NCCL-only group on CUDA: a collective on any CPU tensor fails with
 ``No backend type associated with device type cpu``. A collective on
 ``fakegpu`` tensors is carried by a side gloo group over their CPU memory.
+
+``strict()``: within it, an op that mixes ``fakegpu`` tensors with CPU tensors of one
+element or more fails as it would on CUDA ("Expected all tensors to be on the same
+device"), except where CUDA accepts CPU operands (copies, advanced-indexing indices);
+CPU scalars (0-dim) pass, as on CUDA.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,6 +27,24 @@ from torch.utils._pytree import tree_map
 
 NAME = "fakegpu"
 _SIDE: dict[str, Any] = {}
+_STRICT = {"on": False}
+_MIXED_OK = {"copy_", "index", "index_put", "index_put_", "_index_put_impl_"}  # CUDA takes CPU operands there
+
+
+@contextlib.contextmanager
+def strict() -> Iterator[None]:
+    _STRICT["on"] = True
+    try:
+        yield
+    finally:
+        _STRICT["on"] = False
+
+
+def _cpu_operand(args: Any, kwargs: Any) -> torch.Tensor | None:
+    from torch.utils._pytree import tree_leaves
+
+    return next((a for a in tree_leaves((args, kwargs)) if type(a) is torch.Tensor and a.dim() > 0
+                 and a.device.type == "cpu"), None)
 
 
 class FakeGpuTensor(torch.Tensor):
@@ -43,10 +68,15 @@ class FakeGpuTensor(torch.Tensor):
                          for i, a in enumerate(args))
             out = func(*tree_map(_inner, args), **tree_map(_inner, kwargs))
             return (args[0], *out[1:])  # in place: the caller's tensors, the side group's work
+        if _STRICT["on"] and func._opname not in _MIXED_OK:
+            cpu = _cpu_operand(args, kwargs)
+            if cpu is not None:
+                raise RuntimeError(f"Expected all tensors to be on the same device: {func} got a CPU tensor "
+                                   f"{tuple(cpu.shape)} beside {NAME} tensors")
         out = func(*tree_map(_inner, args), **tree_map(_inner, kwargs))
-        dev = kwargs.get("device")
-        if func is torch.ops.aten._to_copy.default and dev is not None and torch.device(dev).type == "cpu":
-            return out
+        dev = kwargs.get("device", next((a for a in args[1:] if isinstance(a, torch.device)), None))
+        if func._opname in ("_to_copy", "to") and dev is not None and torch.device(dev).type == "cpu":
+            return out  # left the device (``.cpu()``; ``aten.to`` under inference mode)
         return tree_map(_wrap, out)
 
 

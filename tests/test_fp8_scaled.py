@@ -158,3 +158,26 @@ def test_weights_reload_into_real_fp8_layers(tiny: str) -> None:
     assert isinstance(e.weights.layers[1].o, ScaledLinear) and e.version == 1
     assert [lq for _, lq in _first_tokens(e, 8)] != [lq for _, lq in before]
     assert df.Weights is type(e.weights)
+
+
+def test_real_fp8_shares_the_fp8_copy_and_loads_it_unchanged(tiny: str) -> None:
+    """The publisher's fp8_e4m3 copy (quantized once for every FP8 group) loads into the real
+    layers as the same E4M3 values and scales as raw weights quantized by the layers."""
+    from transformers import AutoModelForCausalLM
+
+    from mixrl.weights.formats import format_key, quantizer, serving_profile
+
+    real, emu = get_profile("h100-fp8-scaled"), get_profile("h100-fp8-w8a8")
+    assert format_key(real, True) == format_key(emu, True) == "fp8_e4m3"
+    assert serving_profile(real, "fp8_e4m3") is real  # its layers quantize (idempotent on the grid)
+    sd = AutoModelForCausalLM.from_pretrained(tiny).state_dict()
+    q = quantizer(real)
+    pre = {k: (q(k, v) if q(k, v) is not None else v) for k, v in sd.items()}
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert torch.equal(pre[name], quantize_weight(sd[name].float(), "fp8_e4m3"))  # quantized, not passed through
+    a, b = BuiltinEngine(tiny, real, "raw"), BuiltinEngine(tiny, real, "pre")
+    b.load_weights(pre, version=1)
+    for la, lb in zip(a.weights.layers, b.weights.layers):
+        for m in ("qkv", "o", "down"):
+            x, y = getattr(la, m), getattr(lb, m)
+            assert torch.equal(x.wq.view(torch.uint8), y.wq.view(torch.uint8)) and torch.equal(x.scale, y.scale)

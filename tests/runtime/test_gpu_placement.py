@@ -72,6 +72,18 @@ def test_each_sampler_worker_sees_only_its_gpu(tiny_policy: Path, tmp_path: Path
         "observe": {"run_dir": str(tmp_path), "progress": False, "tensorboard": False},
     })
     backend = EmbeddedBackend(cfg, str(tiny_policy), resolve_loss(cfg)[0])
+    from mixrl.runtime.backends.embedded.process import ProcessSampler
+
+    asked: dict[str, Any] = {}
+    start = ProcessSampler.start
+
+    async def record(self: Any, *a: Any, engine_kw: Any = None, **kw: Any) -> Any:
+        """What the built-in engine is asked to compute on; the worker itself starts on this
+        GPU-less host without it (``device="cuda"`` would refuse: it sees no CUDA device)."""
+        asked[self.name] = dict(engine_kw or {})
+        return await start(self, *a, engine_kw={k: v for k, v in (engine_kw or {}).items() if k != "device"}, **kw)
+
+    monkeypatch.setattr(ProcessSampler, "start", record)
 
     async def main() -> dict[str, Any]:
         try:
@@ -82,6 +94,7 @@ def test_each_sampler_worker_sees_only_its_gpu(tiny_policy: Path, tmp_path: Path
             await backend.shutdown()
 
     assert asyncio.run(main()) == {"gpu/0": "5", "gpu/1": "7", "cpu/0": ""}
+    assert asked == {"gpu/0": {"device": "cuda"}, "gpu/1": {"device": "cuda"}, "cpu/0": {}}
 
 
 def test_broadcast_refuses_two_nccl_ranks_that_may_share_a_device() -> None:
@@ -131,11 +144,29 @@ def test_each_ray_sampler_actor_sees_only_its_gpus(tiny_policy: Path, tmp_path: 
     temp = tempfile.mkdtemp(prefix="mixrl-ray-")  # short: Ray's socket paths live under it
     ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=temp)
     backend = RayBackend(cfg, str(tiny_policy), resolve_loss(cfg)[0])
+    import mixrl.runtime.backends.ray_backend as rb
+
+    asked: list[Any] = []
+    real = rb.SamplerActor
+
+    class Recorded:  # what the built-in engine is asked to compute on (logical GPUs: none to use)
+        @staticmethod
+        def options(**o: Any) -> Any:
+            class Remote:
+                @staticmethod
+                def remote(*a: Any) -> Any:
+                    asked.append(a[-1])
+                    kw = {k: v for k, v in (a[-1] or {}).items() if k != "device"}
+                    return real.options(**o).remote(*a[:-1], kw or None)
+            return Remote
+
+    monkeypatch.setattr(rb, "SamplerActor", Recorded)
 
     async def main() -> dict[str, Any]:
         try:
             for name in ("gpu/0", "gpu/1", "cpu/0"):
                 await backend.make_sampler(name.split("/")[0], name)
+            assert asked == [{"device": "cuda"}, {"device": "cuda"}, None]
             return {n: await h.actor.where.remote() for n, h in backend.samplers.items()}
         finally:
             for h in backend.samplers.values():
@@ -151,3 +182,15 @@ def test_each_ray_sampler_actor_sees_only_its_gpus(tiny_policy: Path, tmp_path: 
     for n in ("gpu/0", "gpu/1"):
         assert got[n]["cuda_visible_devices"] == got[n]["gpu_ids"][0]  # the actor sees its GPU only
     assert got["cpu/0"] == {"gpu_ids": [], "cuda_visible_devices": ""}  # on a GPU node: sees none
+
+
+def test_built_in_groups_share_the_trainers_gpu_without_a_memory_fraction() -> None:
+    """The built-in engine reserves nothing up front: beside a trainer it needs no
+    gpu_memory_utilization (vLLM groups still do, and they still sum)."""
+    cfg = cfg_with([group("fp8", profile="h100-fp8-scaled", cuda_devices=[0]),
+                    group("bf16", profile="h100-bf16", cuda_devices=[0])], num_gpus=1)
+    engines = {"fp8": "builtin", "bf16": "builtin"}
+    assert check_gpu_plan(cfg, 1, engines) == {0: ["trainer", "fp8/0", "fp8/1", "fp8/2", "fp8/3",
+                                                    "bf16/0", "bf16/1", "bf16/2", "bf16/3"]}
+    with pytest.raises(ConfigError, match="gpu_memory_utilization: unset"):
+        check_gpu_plan(cfg, 1)  # the same groups taken for vLLM ones

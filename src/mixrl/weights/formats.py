@@ -13,6 +13,11 @@ Not cached (the replica quantizes on load, as before): engines other than
 the built-in one (vLLM quantizes with its own kernels), identity formats
 (nothing to do) and a quantized head tied to the embedding (the engine
 quantizes the head but not the embedding lookup, which one tensor cannot carry).
+
+Real FP8 (``fp8_gemm = "scaled_mm"``) shares the ``fp8_e4m3`` copy of the emulated
+FP8 groups: its layers cast the received weights to E4M3 with per-channel scales,
+which on weights already on that grid gives back the same values and scales
+(quantizing is idempotent there, tested), so it keeps its profile unchanged.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ def format_key(profile: Any, tied: bool) -> str | None:
 def quantizer(profile: Any) -> Any:
     """``(name, tensor) -> quantized fp32 tensor or None`` with the engine's own weight hook."""
 
+    if getattr(profile, "fp8_gemm", "emulated") == "scaled_mm":  # its layers quantize: the same grid
+        profile = with_overrides(profile, fp8_gemm="emulated")
     prec = from_profile(profile)
     head = bool(getattr(profile, "quantize_lm_head", False))
 
@@ -56,7 +63,7 @@ def quantizer(profile: Any) -> Any:
 
 def serving_profile(profile: Any, key: str | None) -> Any:
     """The profile a replica's engine runs with when it receives weights already in ``key``."""
-    if key is None:
+    if key is None or getattr(profile, "fp8_gemm", "emulated") == "scaled_mm":
         return profile
 
     return with_overrides(profile, weight_format="none", quantize_lm_head=False)

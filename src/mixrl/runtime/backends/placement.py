@@ -76,13 +76,15 @@ def trainer_devices(cfg: RunConfig, visible: int) -> list[int]:
     return sorted({r % visible for r in range(t.world_size)}) if t.num_gpus > 0 and visible else []
 
 
-def check_gpu_plan(cfg: RunConfig, visible: int) -> dict[int, list[str]]:
+def check_gpu_plan(cfg: RunConfig, visible: int, engines: dict[str, str] | None = None) -> dict[int, list[str]]:
     """Refuse, in one line, a GPU plan this host cannot hold; what runs on each device.
 
     Every replica a group may grow to (``max_replicas``) is counted on the device it
-    would take. On one device the engines' ``gpu_memory_utilization`` must sum to at
-    most 0.95, and beside a trainer rank every engine must set it (vLLM's default 0.9
-    would leave the trainer nothing).
+    would take. On one device the vLLM engines' ``gpu_memory_utilization`` must sum to at
+    most 0.95, and beside a trainer rank every one must set it (vLLM's default 0.9 would
+    leave the trainer nothing). ``engines`` (group -> profile engine): built-in engine
+    groups reserve nothing up front (they allocate what their batches use) and are only
+    listed.
     """
     plan: dict[int, list[str]] = {d: ["trainer"] for d in trainer_devices(cfg, visible)}
     share: dict[int, float] = {}
@@ -94,6 +96,9 @@ def check_gpu_plan(cfg: RunConfig, visible: int) -> dict[int, list[str]]:
         for r in range(g.max_replicas):
             d = replica_device(cfg, g.name, r, visible)
             if d is None:
+                continue
+            if (engines or {}).get(g.name) == "builtin":
+                plan.setdefault(d, []).append(f"{g.name}/{r}")
                 continue
             if "trainer" in plan.get(d, []) and g.gpu_memory_utilization is None:
                 raise ConfigError(f"fleet.groups[{i}].gpu_memory_utilization: unset, but replica {g.name}/{r} "

@@ -153,7 +153,7 @@ def rope_tables(shape: Shape, rope_len: int, dt: torch.dtype) -> tuple[torch.Ten
 
 def build_weights(
     state_dict: Mapping[str, Any], shape: Shape, prec: Precision, rope_len: int, batch_hint: int = 64,
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None, device: torch.device | str = "cpu",
 ) -> Weights:
     """HF-named state dict -> quantized, fused, compute-dtype tensors (RoPE table for
     positions [0, rope_len), or ``rope`` = ``rope_tables(...)`` computed before). Raises
@@ -162,14 +162,15 @@ def build_weights(
     Every tensor of the result owns its memory (the trainer may update its tensors in place
     while this version serves; a mapped version is read-only), in as few copies as the layout
     allows: each is copied once, by the op that puts it in its final layout (fused GEMM weights:
-    one ``cat`` of the parts' transposed views; norm weights: one cast-copy)."""
+    one ``cat`` of the parts' transposed views; norm weights: one cast-copy). On another
+    ``device`` each source tensor is copied there first (the layers then use its plain GEMMs)."""
     sd = strip_wrapper_prefixes(state_dict)
     dt = prec.dtype
 
     def get(name: str) -> torch.Tensor:  # the source tensor in fp32, possibly not a copy
         if name not in sd:
             raise KeyError(f"state_dict has no {name!r} (expected HF parameter names)")
-        t = sd[name].detach()
+        t = sd[name].detach().to(device)
         return t if t.dtype == torch.float32 else t.float()
 
     def own(name: str) -> torch.Tensor:  # a copy in the compute dtype
@@ -218,6 +219,7 @@ def build_weights(
         raise KeyError("state_dict has no 'lm_head.weight' and config.tie_word_embeddings is False")
     head = prec.weight(head) if prec.quantize_lm_head else head
     cos, sin = rope if rope is not None else rope_tables(shape, rope_len, dt)
+    cos, sin = cos.to(device), sin.to(device)
     return Weights(
         embed=embed.to(dt, copy=True).contiguous(),
         layers=layers,

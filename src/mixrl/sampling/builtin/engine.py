@@ -101,6 +101,10 @@ class BuiltinEngine(Engine):
             across its requests (``prefix_cache``; generic path: full-attention models only).
         kv_retain_bytes: byte budget of the sessions' KV kept between requests (LRU); None =
             ``profile.kv_retain_bytes``; 0 keeps none (prefix sharing within a cohort stays).
+        device: where the weights, the KV cache and the forward live ("cpu", "cuda", "cuda:1");
+            sampling and its records stay on the CPU. Another device than the CPU takes the
+            fast path (``fast``); a GPU group of a run gets "cuda" (``fleet.groups.*.num_gpus``
+            or ``cuda_devices``).
 
     Decoding runs in ``running.Running``: rows that finish leave at once and are
     dropped from the tensors once a quarter of the batch has finished, so long tails
@@ -124,6 +128,7 @@ class BuiltinEngine(Engine):
         max_batch_tokens: int | None = None,
         prefix_reuse: bool = True,
         kv_retain_bytes: int | None = None,
+        device: str = "cpu",
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -155,6 +160,12 @@ class BuiltinEngine(Engine):
         self.max_context = max_context or limit
         self.profile = profile
         self.prec = from_profile(profile)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: this process sees no CUDA device")
+        if self.device.type != "cpu" and not use_fast:
+            raise ValueError(f"device={device!r} runs on the fast path only (dense decoders); this model "
+                             f"takes the generic one: {why_not or 'forward=' + repr(forward)}")
         if self.prec.scaled_mm and not use_fast:
             raise ValueError(f"fp8_gemm='scaled_mm' runs on the fast path only (dense decoders); this model "
                              f"takes the generic one: {why_not or 'forward=' + repr(forward)}")
@@ -167,7 +178,7 @@ class BuiltinEngine(Engine):
         with torch.inference_mode():
             hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
             if use_fast:
-                self.path: Any = fast.FastPath(cfg, self.prec, self.max_context, max_batch)
+                self.path: Any = fast.FastPath(cfg, self.prec, self.max_context, max_batch, self.device)
             else:
                 from mixrl.sampling.builtin.generic import GenericPath
 

@@ -25,6 +25,10 @@ A *path* is what ``BuiltinEngine`` decodes with. Both paths (this one and
 This path applies to the dense decoders of ``decoder_forward.ARCHITECTURES`` (Qwen3,
 Llama, Mistral, Qwen2; ``applies`` says why not otherwise); every other causal LM runs
 on the generic path. Its name is ``"<model_type>-fast"``.
+
+On an accelerator (``device``) the weights, the KV cache and every forward live there;
+the batch's bookkeeping stays on the CPU: ``begin`` and ``step`` take CPU ids and
+positions, ``logits`` returns CPU logits (sampling, ``sample``, runs on the CPU).
 """
 
 from __future__ import annotations
@@ -50,7 +54,9 @@ def applies(cfg: Any) -> str | None:
 
 
 class FastPath:
-    def __init__(self, cfg: Any, prec: Precision, max_context: int | None, max_batch: int) -> None:
+    def __init__(self, cfg: Any, prec: Precision, max_context: int | None, max_batch: int,
+                 device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
         self.shape = qf.Shape.from_config(cfg)
         self.name = f"{cfg.model_type}-fast"
         self.prec, self.max_batch = prec, max_batch
@@ -62,8 +68,10 @@ class FastPath:
 
     def build(self, state_dict: Any) -> qf.Weights:
         if self._rope is None:
-            self._rope = qf.rope_tables(self.shape, self.rope_len, self.prec.dtype)
-        return qf.build_weights(state_dict, self.shape, self.prec, self.rope_len, self.max_batch, self._rope)
+            cos, sin = qf.rope_tables(self.shape, self.rope_len, self.prec.dtype)
+            self._rope = (cos.to(self.device), sin.to(self.device))
+        return qf.build_weights(state_dict, self.shape, self.prec, self.rope_len, self.max_batch, self._rope,
+                                self.device)
 
     def begin(
         self, w: qf.Weights, ids: torch.Tensor, start: torch.Tensor, length: int,
@@ -71,14 +79,16 @@ class FastPath:
     ) -> tuple[Any, torch.Tensor]:
         B, P = ids.shape
         R = B if rows is None else len(rows)  # rows of the batch (``rows``: copies of the prefilled ones)
-        shape, prec = self.shape, self.prec
-        col = torch.arange(P)
+        shape, prec, dev = self.shape, self.prec, self.device
+        ids, start = ids.to(dev), start.to(dev)
+        rows = None if rows is None else rows.to(dev)
+        col = torch.arange(P, device=dev)
         pos = (col[None, :] - start[:, None]).clamp(min=0)  # [B, P]
         # may attend: real key columns up to the query; padded queries attend to themselves only
         mask = (col[None, None, :] >= start[:, None, None]) & (col[None, None, :] <= col[None, :, None])
-        mask |= torch.eye(P, dtype=torch.bool)[None]
+        mask |= torch.eye(P, dtype=torch.bool, device=dev)[None]
         n = R * shape.kv_heads * length * shape.head_dim
-        base, flat = self._pool.take(2 * shape.layers * n, prec.dtype)
+        base, flat = self._pool.take(2 * shape.layers * n, prec.dtype, dev)
         every = flat.view(2 * shape.layers, R, shape.kv_heads, length, shape.head_dim)  # keys, then values
         cache = KVCache(shape.layers, R, shape.kv_heads, length, shape.head_dim, prec.dtype, prec.kv, list(every))
         cache.rows = B
@@ -92,7 +102,7 @@ class FastPath:
                     every[:, u, :, col0 - kv.shape[2] : col0] = kv
             mask = mask[:, col0:]  # [B, T, P]: the new tokens' queries
             if P - col0 == 1:  # one query: the decode kernel's additive bias
-                mask = torch.zeros(mask.shape, dtype=prec.dtype).masked_fill_(~mask, float("-inf"))
+                mask = torch.zeros(mask.shape, dtype=prec.dtype, device=dev).masked_fill_(~mask, float("-inf"))
         hidden = qf.forward(w, shape, prec, cache, ids[:, col0:], pos[:, col0:], col0, mask.unsqueeze(1))  # [B, H]
         if rows is not None:  # prefix sharing: each request's row copies its prompt's
             every[:, :R, :, :P] = every[:, :B, :, :P].index_select(1, rows)
@@ -101,7 +111,7 @@ class FastPath:
         return _FastBatch(w, shape, prec, cache), hidden
 
     def logits(self, w: qf.Weights, hidden: torch.Tensor) -> torch.Tensor:
-        return qf.lm_head(w, self.prec, hidden)
+        return qf.lm_head(w, self.prec, hidden).cpu()  # a no-op on the CPU
 
 
 class _Pool:
@@ -121,14 +131,14 @@ class _Pool:
         self.idle: torch.Tensor | None = None
         self.lock = threading.Lock()
 
-    def take(self, numel: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(storage, its first ``numel`` elements zeroed or fresh)."""
         with self.lock:
             t = self.idle
-            if t is not None and t.dtype == dtype and t.numel() >= numel:
+            if t is not None and t.dtype == dtype and t.numel() >= numel and t.device == device:
                 self.idle = None
                 return t, t[:numel].zero_()
-        t = torch.empty(numel, dtype=dtype)
+        t = torch.empty(numel, dtype=dtype, device=device)
         return t, t
 
     def give(self, t: torch.Tensor) -> None:
@@ -145,14 +155,16 @@ class _FastBatch:
         self.w, self.shape, self.prec, self.cache = w, shape, prec, cache
 
     def step(self, tok: torch.Tensor, pos: torch.Tensor, col: int, start: torch.Tensor, padded: bool) -> torch.Tensor:
+        dev = self.w.embed.device
+        tok, pos, start = tok.to(dev), pos.to(dev), start.to(dev)
         bias = None  # additive attention bias hiding left padding, only if a row is padded
         if padded:
-            pad = torch.arange(col + 1)[None, :] < start[:, None]  # [b, col + 1]
-            bias = torch.zeros(pad.shape, dtype=self.prec.dtype).masked_fill_(pad, float("-inf"))[:, None, None]
+            pad = torch.arange(col + 1, device=dev)[None, :] < start[:, None]  # [b, col + 1]
+            bias = torch.zeros(pad.shape, dtype=self.prec.dtype, device=dev).masked_fill_(pad, float("-inf"))[:, None, None]
         return qf.forward(self.w, self.shape, self.prec, self.cache, tok[:, None], pos[:, None], col, bias)
 
     def keep_rows(self, idx: torch.Tensor) -> None:
-        self.cache.keep_rows(idx)
+        self.cache.keep_rows(idx.to(self.w.embed.device))
 
     def absorb(self, other: _FastBatch, col: int, need: int, max_rows: int) -> int:
         return self.cache.absorb(other.cache, col, need, max_rows)

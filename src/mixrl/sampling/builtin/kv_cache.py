@@ -103,7 +103,7 @@ class KVCache:
             shape = (rows, self.k[0].shape[1], cols, self.k[0].shape[3])
             for lst in (self.k, self.v):
                 for i, t in enumerate(lst):
-                    new = torch.zeros(shape, dtype=t.dtype)
+                    new = torch.zeros(shape, dtype=t.dtype, device=t.device)
                     new[:b, :, left + shift : left + c] = t[:b, :, self.origin : self.origin + col]
                     lst[i] = new
             o = left

@@ -21,7 +21,8 @@ The decode step also uses oneDNN's fused epilogues (``plus``: residual add,
 ``times``: the SwiGLU product, ``silu``: the gate activation), so the
 elementwise ops after a GEMM cost no extra pass over memory.
 
-``kernel`` says which runs: ``"mkl"`` (FP32), ``"onednn"``, or ``"plain"``.
+``kernel`` says which runs: ``"mkl"`` (FP32), ``"onednn"``, or ``"plain"`` (``F.linear``:
+also every weight on an accelerator, where the vendor's GEMM library needs no packing).
 When packing is unavailable (a torch build without oneDNN, a dtype it does not
 take) or its probe (the plain GEMM and each epilogue) disagrees with
 ``F.linear``, ``PackedLinear`` falls back to ``F.linear`` on the plain weight
@@ -76,6 +77,9 @@ class PackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, batch_hint: int = 64) -> None:
         self.bias = bias
         self._packed = self._wt = self.weight = None
+        if weight.device.type != "cpu":  # an accelerator's own GEMMs
+            self.weight, self.kernel = weight.contiguous(), "plain"
+            return
         if weight.dtype == torch.float32 and FP32_KERNEL == "mkl":
             self._wt = weight.t().contiguous()  # [in, out]: sgemm reads it without transposing
             self.kernel = "mkl"
@@ -91,7 +95,7 @@ class PackedLinear:
         its memory (the parts may be views of a mapped file or of the trainer's tensors): MKL's
         ``[in, out]`` layout is one transposing copy of the stacked parts (a memcpy ``cat``
         first when there are several: together faster than ``cat`` of transposed views)."""
-        if parts[0].dtype == torch.float32 and FP32_KERNEL == "mkl":
+        if parts[0].dtype == torch.float32 and FP32_KERNEL == "mkl" and parts[0].device.type == "cpu":
             self = cls.__new__(cls)
             self.bias, self._packed, self.weight, self.kernel = bias, None, None, "mkl"
             stacked = parts[0] if len(parts) == 1 else torch.cat(parts)  # a contiguous copy: a plain memcpy
@@ -158,7 +162,7 @@ class SwiGLU:
     def __init__(self, gate: torch.Tensor, up: torch.Tensor, batch_hint: int = 64) -> None:
         self.inter = gate.shape[0]
         self.gate_up = self.gate = self.up = None
-        if gate.dtype == torch.float32 and FP32_KERNEL == "mkl":
+        if (gate.dtype == torch.float32 and FP32_KERNEL == "mkl") or gate.device.type != "cpu":
             self.gate_up = PackedLinear.fused([gate, up], None, batch_hint)
         else:  # oneDNN: the activation and the product ride in the GEMMs' epilogues
             self.gate = PackedLinear.fused([gate], None, batch_hint)

@@ -223,7 +223,7 @@ class Running:
         self.batch.keep_rows(idx)
         self.t = {k: v.index_select(0, idx) for k, v in self.t.items()}
         assert self.hidden is not None
-        self.hidden = self.hidden.index_select(0, idx)
+        self.hidden = self.hidden.index_select(0, idx.to(self.hidden.device))
         lo = int(self.t["start"].min()) if keep else 0
         lo = self.batch.trim(lo) if lo > 0 else 0
         if lo:

@@ -84,7 +84,7 @@ class EmbeddedBackend(Backend):
         # this host's GPUs: each worker sees only the one it takes (placement.replica_device)
         self.visible = visible_gpus()
         if self.visible or cfg.trainer.num_gpus > 0 or any(uses_gpu(g) for g in cfg.fleet.groups):
-            check_gpu_plan(cfg, self.visible)
+            check_gpu_plan(cfg, self.visible, {g.name: group_profile(cfg, g.name).engine for g in cfg.fleet.groups})
         if self.workers == "process":
             check_shm(cfg, model_path)
 
@@ -120,15 +120,17 @@ class EmbeddedBackend(Backend):
         seed = replica_seed(self.cfg.runtime.seed, name)
         h: ProcessSampler | ThreadSampler
         g = next(x for x in self.cfg.fleet.groups if x.name == group)
-        engine_kw = {}
+        engine_kw: dict[str, Any] = {}
         if g.gpu_memory_utilization is not None:
             if prof.engine != "vllm":
                 raise ConfigError(f"fleet group {group!r}: gpu_memory_utilization applies to vLLM profiles only, "
                                   f"{prof.name!r} is engine={prof.engine!r}")
             engine_kw["gpu_memory_utilization"] = g.gpu_memory_utilization
+        device = replica_device(self.cfg, group, int(name.rsplit("/", 1)[-1]), self.visible) if self.visible else None
+        if prof.engine == "builtin" and device is not None:  # the built-in engine computes on its GPU
+            engine_kw["device"] = "cuda" if self.workers == "process" else f"cuda:{device}"  # a worker sees one
         if self.workers == "process":
             h = ProcessSampler(name, group, fmt, prof if fmt is not None else None, self.quantize_slots)
-            device = replica_device(self.cfg, group, int(name.rsplit("/", 1)[-1]), self.visible) if self.visible else None
             await h.start(self.model_path, serve, seed, self.cfg.runtime.torch_threads,
                           cuda_visible=visible_env(device) if self.visible else None, engine_kw=engine_kw)
         else:

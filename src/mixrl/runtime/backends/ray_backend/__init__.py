@@ -173,10 +173,14 @@ class RayBackend(Backend):
         g = next(x for x in self.cfg.fleet.groups if x.name == group)
         b = bundle(g.num_cpus, g.num_gpus, g.memory_gb, g.accelerator_type)
         pg = await _placed([b], "STRICT_PACK", f"mixrl-{name}")
+        engine_kw: dict[str, Any] = {}
+        if g.gpu_memory_utilization is not None:
+            engine_kw["gpu_memory_utilization"] = g.gpu_memory_utilization
+        if prof.engine == "builtin" and g.num_gpus > 0:  # the built-in engine computes on the bundle's GPU
+            engine_kw["device"] = "cuda"
         actor = SamplerActor.options(**_actor_options(pg, 0, b)).remote(  # type: ignore[attr-defined]
             self.model_path, serving_profile(prof, fmt), group, replica_seed(self.cfg.runtime.seed, name),
-            self.cfg.runtime.torch_threads, prof if fmt is not None else None,
-            {"gpu_memory_utilization": g.gpu_memory_utilization} if g.gpu_memory_utilization is not None else None,
+            self.cfg.runtime.torch_threads, prof if fmt is not None else None, engine_kw or None,
         )
         try:
             await actor.pid.remote()
