@@ -38,6 +38,7 @@ def test_a_step_outside_its_tolerance_fails_the_check(tmp_path: Path, monkeypatc
     assert not row["ok"] and row["loss_rel_err"] > gpu_check.TOLERANCE["fp32"]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a usable GPU")
 def test_the_script_prints_one_json_object_and_fails_without_a_gpu(tmp_path: Path) -> None:
     p = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--only", "trainer"],

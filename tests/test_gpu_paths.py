@@ -130,6 +130,7 @@ def test_cpu_ranks_stay_on_cpu_on_a_host_with_an_accelerator(tmp_path: Any, prec
         assert r["attn"] == "sdpa"
 
 
+@pytest.mark.gpu
 def test_a_gpu_torch_cannot_use_is_named_in_one_line(tmp_path: Any) -> None:
     from mixrl.config import ConfigError
     from mixrl.runtime.gpu import cuda_problem, require_cuda
@@ -166,6 +167,7 @@ def test_attention_kernel_is_chosen_per_device(tmp_path: Any) -> None:
     assert is_flash(attn_implementation_for("cuda", "bf16", flash_available=True))
 
 
+@pytest.mark.gpu
 def test_trainer_state_carries_every_rng_of_its_process() -> None:
     """CPU, python, numpy, and every CUDA device's state where CUDA is available (the rank's device)."""
     import random
