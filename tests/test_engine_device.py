@@ -14,11 +14,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-import fake_device
 from mixrl.models.policy import resolve
 from mixrl.records.generation import GenerationRequest, SamplingParams
 from mixrl.sampling.builtin.engine import BuiltinEngine
 from mixrl.sampling.profiles import get_profile
+from tests import fake_device
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_the_engine_on_a_device_samples_what_it_samples_on_the_cpu(strict: torch
     assert {e.weights.embed.device, e.weights.cos.device, layer.ln1.device} == {strict}
     got = e.generate_batch(_requests())
     assert [r.token_ids for r in got] == [r.token_ids for r in ref]
-    diff = max(abs(a - b) for x, y in zip(got, ref) for a, b in zip(x.logprobs, y.logprobs))
+    diff = max(abs(a - b) for x, y in zip(got, ref, strict=True) for a, b in zip(x.logprobs, y.logprobs, strict=False))
     assert diff <= tol, diff
     assert all(r.finish_reason in ("stop", "length") for r in got)
 
@@ -71,7 +71,7 @@ def test_sessions_weights_and_streams_on_a_device(strict: torch.device) -> None:
     first = e.generate_batch(_requests("s"))
     nxt = [GenerationRequest(request_id=f"n{i}", session=f"s{i}", prompt_ids=r.prompt_ids + f.token_ids + [9],
                              params=SamplingParams(max_new_tokens=6, seed=7))
-           for i, (r, f) in enumerate(zip(_requests("s"), first))]
+           for i, (r, f) in enumerate(zip(_requests("s"), first, strict=True))]
     again = e.generate_batch(nxt)
     assert sum(r.timings["reused_tokens"] for r in again) > 0 and all(r.token_ids for r in again)
     sd = AutoModelForCausalLM.from_pretrained(model).state_dict()

@@ -177,7 +177,7 @@ def test_real_fp8_shares_the_fp8_copy_and_loads_it_unchanged(tiny: str) -> None:
     assert torch.equal(pre[name], quantize_weight(sd[name].float(), "fp8_e4m3"))  # quantized, not passed through
     a, b = BuiltinEngine(tiny, real, "raw"), BuiltinEngine(tiny, real, "pre")
     b.load_weights(pre, version=1)
-    for la, lb in zip(a.weights.layers, b.weights.layers):
+    for la, lb in zip(a.weights.layers, b.weights.layers, strict=True):
         for m in ("qkv", "o", "down"):
             x, y = getattr(la, m), getattr(lb, m)
             assert torch.equal(x.wq.view(torch.uint8), y.wq.view(torch.uint8)) and torch.equal(x.scale, y.scale)

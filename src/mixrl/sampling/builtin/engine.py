@@ -76,6 +76,19 @@ def _eos_ids(model_path: str, cfg: Any) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+def _fast_only(device: str, scaled_mm: bool, generic: str | None) -> torch.device:
+    """``device`` as a torch device; what only the fast path runs refused on the generic one
+    (``generic``: why this model takes it, None when it takes the fast path)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: this process sees no CUDA device")
+    for what, asked in ((f"device={device!r}", dev.type != "cpu"), ("fp8_gemm='scaled_mm'", scaled_mm)):
+        if asked and generic is not None:
+            raise ValueError(f"{what} runs on the fast path only (dense decoders); this model takes the "
+                             f"generic one: {generic}")
+    return dev
+
+
 class BuiltinEngine(Engine):
     """Torch engine for HF causal LMs in one precision profile (see module doc).
 
@@ -160,15 +173,7 @@ class BuiltinEngine(Engine):
         self.max_context = max_context or limit
         self.profile = profile
         self.prec = from_profile(profile)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: this process sees no CUDA device")
-        if self.device.type != "cpu" and not use_fast:
-            raise ValueError(f"device={device!r} runs on the fast path only (dense decoders); this model "
-                             f"takes the generic one: {why_not or 'forward=' + repr(forward)}")
-        if self.prec.scaled_mm and not use_fast:
-            raise ValueError(f"fp8_gemm='scaled_mm' runs on the fast path only (dense decoders); this model "
-                             f"takes the generic one: {why_not or 'forward=' + repr(forward)}")
+        self.device = _fast_only(device, self.prec.scaled_mm, None if use_fast else why_not or f"forward={forward!r}")
         self.group = group
         self.seed = seed
         self.max_batch = max_batch
