@@ -37,3 +37,11 @@ def test_empty_last_reply_share():
     m = rollout_metrics(trajs, ["g"])
     assert m["rollout/empty_last_reply"] == 2 / 4
     assert m["rollout/format_error_end"] == 1 / 4
+
+
+def test_clipped_share_counts_replies_cut_by_a_limit():
+    trajs = [_traj([0, 1, 1]), _traj([0, 1, 1]), _traj([0, 1], status="truncated", reward=0.0), _traj([0, 1])]
+    trajs[0].info["clipped"] = 1  # a reply that reached max_new_tokens (the session marks it)
+    trajs[1].info["clipped"] = 0
+    m = rollout_metrics(trajs, ["g"])
+    assert m["rollout/clipped_frac"] == 2 / 4  # the marked one and the truncated episode

@@ -9,6 +9,7 @@ REWARD = "rollout/reward"
 LENGTH = "rollout/length"
 FORMAT_END = "rollout/format_error_end"  # share of episodes ended by repeated format errors
 EMPTY_END = "rollout/empty_last_reply"  # share of episodes whose last reply is empty
+CLIPPED = "rollout/clipped_frac"  # share of episodes cut at max_new_tokens or the token budget
 STALENESS = "rollout/staleness_mean"
 STALENESS_MAX = "rollout/staleness_max"
 GRAD_NORM = "optim/grad_norm"

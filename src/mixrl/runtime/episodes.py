@@ -8,6 +8,9 @@ failure may span groups):
     rollout/reward, rollout/length (generated tokens), rollout/turns   (and /<g>)
     rollout/format_error_end   share of episodes ended by repeated format errors
     rollout/empty_last_reply   share of episodes whose last reply is empty (<= 1 token: end of turn)
+    rollout/clipped_frac       share of episodes cut by a limit: a reply that reached
+                               ``max_new_tokens`` (finish "length") or the episode's token budget
+                               (status "truncated"); TRL's ``completions/clipped_ratio``
     rollout/infra_failed       episodes lost to infrastructure (never reward 0)
     rollout/status/<status>    share of each status
     rollout/mixed_version_turns  turns continued under newer weights (interruptible turns)
@@ -55,6 +58,7 @@ def rollout_metrics(trajs: list[Trajectory], group_names: list[str]) -> dict[str
     m["rollout/format_error_end"] = sum(t.status == "format_error" for t in trajs) / n
     # the seed's collapsed episodes end on an empty reply: at most the end-of-turn token
     m["rollout/empty_last_reply"] = sum(_last_reply_len(t) <= 1 for t in trajs) / n
+    m["rollout/clipped_frac"] = sum(int(t.info.get("clipped", t.status == "truncated")) for t in trajs) / n
     m["rollout/malformed_calls"] = float(sum(t.num_malformed for t in trajs))
     # agent episodes whose history was edited by the agent: segments left out of training
     # turns continued under newer weights (rollout.interrupt_tokens): generated runs with > 1 version

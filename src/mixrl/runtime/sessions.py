@@ -148,7 +148,9 @@ class Sessions:
                 shadow.base, shadow.turns = None, []
                 traj = await self._episode(task, idx, generate, None)
                 traj.info["resume_restarted"] = 1
-            traj.info.pop("finish_reasons", None)
+            reasons = traj.info.pop("finish_reasons", None) or []
+            # cut by a limit: a reply at max_new_tokens, or the episode at its token budget
+            traj.info["clipped"] = int(traj.status == "truncated" or "length" in reasons)
             if self.check is not None:  # the one check of the record (Trajectory.screen)
                 traj.screen(*self.check)
             completed = self.buffer.add(traj)

@@ -31,6 +31,7 @@ PANELS: tuple[tuple[str, str], ...] = (
     ("rollout/format_error_end", "share of episodes ending on format errors"),
     ("rollout/empty_last_reply", "share of episodes whose last reply is empty"),
     ("rollout/turns", "assistant turns per episode"),
+    ("rollout/clipped_frac", "share of episodes cut at max_new_tokens or the token budget"),
 )
 FLEET_STYLE = {"mixed": "-", "homogeneous": "--", "stress": ":", "reference": "-.", "exact": (0, (1, 3))}
 
