@@ -320,13 +320,50 @@ def table_ablation() -> str:
             "samples on the full distribution; \"in the nucleus\": the same final policies scored with top-p 0.9.")
 
 
+def table_gpu(link: str = "docs/artifacts/") -> str:
+    """The device check's steps (docs/artifacts/gpu_steps.json, ``scripts/gpu_check.sh --out``)."""
+    art = _load("gpu_steps.json")
+    if art is None:
+        return "(no docs/artifacts/gpu_steps.json yet: `scripts/gpu_check.sh --out docs/artifacts/gpu_steps.json`)"
+    m, st = art["machine"], art["steps"]
+    where = (f"on {m.get('gpu')} ({m.get('memory_gib')} GiB), torch {m.get('torch')}" if art["mode"] == "gpu" else
+             f"**CPU mode** (`--cpu`): no GPU ran these figures; {m.get('cpu')}, {machine_short(m)}, torch {m.get('torch')}")
+    cells: dict[str, str] = {}
+    if "model" in st.get("setup", {}):
+        cells["setup"] = f"model `{st['setup']['model']}`, train config: {st['setup']['config']}"
+    if "collected" in st.get("tests", {}):
+        t = st["tests"]
+        cells["tests"] = f"`pytest -m gpu`: {t['passed']} passed, {t['skipped']} skipped, {t['failed']} failed"
+    if "groups" in st.get("train", {}):
+        t = st["train"]
+        groups = "; ".join(f"`{g['profile']}` KL k3 {_fmt(g['kl_k3'])}, TV {_fmt(g['tv'])}, "
+                           f"outside [0.2, 5] {_fmt(g['ratio_oob'])} ({_fmt(int(g['tokens']))} tokens)"
+                           for g in t["groups"].values())
+        cells["train"] = (f"{t['updates']} updates, resumed at {t['resumed_at']}, trainer {t['trainer_precision']} on "
+                          f"{t['trainer_device']}: {groups}; reward {_fmt(t['reward_mean'])}")
+    if "profiles" in st.get("probe", {}):
+        p = st["probe"]
+        kl = ", ".join(f"`{n}` {_fmt(r['kl_exact'])}" for n, r in p["profiles"].items())
+        cells["probe"] = (f"exact KL on {p['builtin_device']}: {kl}; real over emulated FP8 "
+                          f"{_fmt(p.get('real_over_emulated'))}")
+    if "builtin_tok_s" in st.get("bench", {}):
+        b = st["bench"]
+        cells["bench"] = (f"built-in {_fmt(b['builtin_tok_s'])} tokens/s on {b['device']}, "
+                          f"{_fmt(b['builtin_over_hf'])}x HF generate (batch {b['batch']}, {b['new_tokens']} new)")
+    rows = [[name, row["status"], _fmt(row.get("seconds")), cells.get(name, row.get("reason", "—"))]
+            for name, row in st.items()]
+    head = (f"`{art['command']}`, {art['started_utc']}, {where}; {_fmt(art['seconds'])} s in all "
+            f"([JSON]({link}gpu_steps.json)).")
+    return head + "\n\n" + _table(["step", "status", "s", "figures"], rows)
+
+
 TABLES: dict[str, Callable[[], str]] = {"eval": table_eval, "data": table_data, "bench": table_bench,
                                         "headlines": table_headlines,
                                         "probe": table_probe, "make_run": table_make_run, "real": table_real,
                                         "probe_real": table_probe_real, "study": lambda: _study("study"),
                                         "study_real": lambda: _study("study_real"), "ablation": table_ablation,
-                                        "study_prereg": lambda: _study("study_prereg")}
-LINKED = {"bench": table_bench, "headlines": table_headlines}  # tables that link the artifacts
+                                        "study_prereg": lambda: _study("study_prereg"), "gpu": table_gpu}
+LINKED = {"bench": table_bench, "headlines": table_headlines, "gpu": table_gpu}  # tables that link the artifacts
 
 
 def artifacts_link(file: str) -> str:

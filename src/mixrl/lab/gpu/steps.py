@@ -187,12 +187,11 @@ def step_probe(a: argparse.Namespace, budget: float) -> dict[str, Any]:
     names = [x for x in a.profiles.split(",") if x]
     if a.mode == "gpu" and importlib.util.find_spec("vllm") is not None and VLLM_FP8 not in names:
         names.append(VLLM_FP8)
-    sizes = ["--num-prompts", "32", "--max-new-tokens", "32"] if a.mode == "gpu" else \
-        ["--num-prompts", "16", "--max-new-tokens", "32"]
-    cmd = mixrl("probe", "--json", "--model", a.model, "--profiles", ",".join(names), *sizes)
-    device = "cpu"
-    if a.mode == "gpu" and has_option(mixrl("probe"), "--device"):
-        cmd, device = [*cmd, "--device", "cuda"], "cuda"
+    device = "cuda" if a.mode == "gpu" and has_option(mixrl("probe"), "--device") else "cpu"
+    # on the CPU the real model's scaled_mm decodes at ~3 s per step (2 cores): smaller there
+    n, t = (32, 32) if device == "cuda" else (16, 32) if a.model == "bundled" else (8, 16)
+    cmd = mixrl("probe", "--json", "--model", a.model, "--profiles", ",".join(names), "--num-prompts", str(n),
+                "--max-new-tokens", str(t), *(["--device", "cuda"] if device == "cuda" else []))
     res = last_json(run(cmd, budget, "mixrl probe").stdout)
     rows, skipped = res.get("profiles", {}), res.get("skipped", {})
     missing = [n for n in names if n not in rows]
@@ -200,14 +199,14 @@ def step_probe(a: argparse.Namespace, budget: float) -> dict[str, Any]:
         why = ", ".join(f"{n} ({skipped.get(n, 'absent')})" for n in missing)
         raise StepFailed(f"profiles not measured: {why}")
     keys = ("mismatch/kl_exact", "mismatch/kl_k3", "mismatch/tv", "mismatch/ratio_oob", "max_abs_log_ratio", "tokens")
-    out: dict[str, Any] = {"builtin_device": device, "profiles": {n: {k.split("/")[-1]: rows[n].get(k) for k in keys}
-                                                                  for n in names}}
+    out: dict[str, Any] = {"builtin_device": device, "prompts": n, "max_new_tokens": t,
+                           "profiles": {p: {k.split("/")[-1]: rows[p].get(k) for k in keys} for p in names}}
     real, emu = rows.get("h100-fp8-scaled", {}), rows.get("h100-fp8-w8a8", {})
     if real and emu:
         out["real_over_emulated"] = real["mismatch/kl_exact"] / emu["mismatch/kl_exact"] \
             if emu["mismatch/kl_exact"] else None
     if device == "cpu":
-        out["note"] = "mixrl probe has no --device: the built-in engine ran on the CPU (scaled_mm accumulates in fp32 there)"
+        out["note"] = "the built-in engine ran on the CPU (mixrl probe has no --device); scaled_mm accumulates in fp32 there"
     return out
 
 
