@@ -18,6 +18,7 @@
 #   scripts/gpu_check.sh --only trainer,reload            # the lower-level assertions (mixrl.lab.gpu.check:
 #                                                         # trainer, ranks, train, fp8_gemm, ray, reload,
 #                                                         # colocated, probe); OUT=FILE keeps their JSON
+# Wheels in .whl/ (scripts/gpu_wheels.sh; GPU_CHECK_WHEELS=DIR elsewhere) are installed first.
 # Options of the steps: python -m mixrl.lab.gpu.steps --help.
 set -euo pipefail
 args=()
@@ -32,6 +33,13 @@ cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY="$(command -v python3)"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+# wheels carried to a machine without network (scripts/gpu_wheels.sh writes .whl/): installed first
+wheels="${GPU_CHECK_WHEELS:-.whl}"
+if compgen -G "$wheels/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps "$wheels"/*.whl >&2 \
+    || "$PY" -m pip install -q --no-index --no-deps --user --break-system-packages "$wheels"/*.whl >&2 \
+    || { echo "gpu_check: the wheels in $wheels did not install" >&2; exit 1; }
+fi
 
 case " ${args[*]-} " in
   *" --only "*|*" --only="*)
