@@ -73,6 +73,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
       "activation_format=fp8_e4m3 (repeatable)")  # fmt: skip
     a("--seed", type=int, default=0, help="seed of prompts and sampling")
     a("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    a("--device", default="cpu", help="where built-in engine profiles compute: cpu (default), cuda, cuda:N "
+      "(the FP32 trainer reference stays on the CPU; vLLM picks its own device)")  # fmt: skip
     a("--json", action="store_true", help="print one JSON object {'profiles': {NAME: {...}}}")
 
 
@@ -297,7 +299,9 @@ def probe(args: argparse.Namespace, skipped: dict[str, str] | None = None) -> di
     trainer = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
     out: dict[str, dict[str, Any]] = {}
     for prof in profiles:
-        engine = factory.make_engine(str(path), prof, group=prof.name, seed=args.seed)
+        device = getattr(args, "device", "cpu")
+        on = {"device": device} if prof.engine == "builtin" and device != "cpu" else {}
+        engine = factory.make_engine(str(path), prof, group=prof.name, seed=args.seed, **on)
         try:
             out[prof.name] = _probe_one(engine, prof, trainer, prompts, stops, args)
         finally:  # a vLLM engine holds its GPU memory until closed: the next profile needs it

@@ -110,6 +110,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads for both sides (default 1; 0 = torch's default)")  # fmt: skip
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory children")
+    parser.add_argument("--device", default="cpu", help="cpu (default: per CPU second, against the GEMM floor) "
+                        "or an accelerator, e.g. cuda: built-in profiles vs HF generate there (sampler_device)")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM fields even if vLLM is installed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workload", choices=("throughput", "multiturn"), default="throughput",
@@ -394,6 +396,11 @@ def floor_fields(floor: Floor | None, best: dict[str, float], cpu: dict[str, flo
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
+    if getattr(args, "device", "cpu") != "cpu":
+        from mixrl.lab.bench.sampler_device import run_device
+
+        return run_device(args, resolve_model)
+
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -448,6 +455,13 @@ def main(args: argparse.Namespace) -> int:
     for name in ("batch", "prompt_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
             print(f"mixrl bench sampler: --{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}", file=sys.stderr)
+            return 2
+    if args.device != "cpu":
+        from mixrl.lab.bench.sampler_device import device_problem
+
+        bad = device_problem(args.device)
+        if bad:
+            print(f"mixrl bench sampler: {bad}", file=sys.stderr)
             return 2
     if args.workload == "multiturn":
         from mixrl.lab.bench import sampler_reuse
