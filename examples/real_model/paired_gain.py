@@ -9,7 +9,7 @@ the unit is the row: ``d_i = final_i - base_i`` in {-1, 0, +1}, and the gain is 
 - a paired t-interval over rows (``mixrl.lab.study.paired.paired_t``);
 - a paired percentile bootstrap over rows (rows resampled with replacement, one draw for
   both models);
-- McNemar's exact test: under no effect each discordant row (solved by one model only) is
+- McNemar's exact test (k = 1 only: each row solved or not): under no effect each discordant row (solved by one model only) is
   equally likely to favour either, so the count that favours the trained model is
   Binomial(discordant, 1/2); two-sided p-value.
 
@@ -49,9 +49,10 @@ def paired_gain(base: dict[str, float], final: dict[str, float], level: float = 
     rng = np.random.default_rng(seed)
     boot = d[rng.integers(0, d.size, size=(draws, d.size))].mean(axis=1)
     alpha = 1 - level
+    binary = bool(np.isin(np.concatenate([b, f]), (0.0, 1.0)).all())  # k = 1: each row solved or not
     up, down = int(((f == 1) & (b == 0)).sum()), int(((f == 0) & (b == 1)).sum())
     mcnemar = stats.binomtest(up, up + down, 0.5).pvalue if up + down else 1.0
-    return {
+    out = {
         "rows": len(rows),
         "base_pass@1": float(b.mean()),
         "final_pass@1": float(f.mean()),
@@ -64,6 +65,9 @@ def paired_gain(base: dict[str, float], final: dict[str, float], level: float = 
         "mcnemar_exact_p": float(mcnemar),
         "per_row": [{"row": r, "base": base[r], "final": final[r]} for r in rows],
     }
+    if not binary:  # k > 1: a row's rate is a share of its samples; McNemar's counts do not apply
+        del out["discordant"], out["mcnemar_exact_p"]
+    return out
 
 
 def main(argv: list[str]) -> int:
