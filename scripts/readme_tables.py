@@ -155,6 +155,30 @@ def table_real() -> str:
     return table
 
 
+def table_real_learn() -> str:
+    """The real model's 60-update sync run: base and trained held-out pass@1, paired by row."""
+    rows = []
+    for name, label in (("real_learn/eval_base.json", "SmolLM2-135M-Instruct (base)"),
+                        ("real_learn/eval_final.json", "after `mixrl train examples/real_model/learn.toml`")):
+        art = _load(name)
+        if art is None or "command" not in art:
+            continue
+        r = art["result"]
+        rows.append([label, f"`{art['command']}`", _fmt(r.get("pass@1")), _fmt(r.get("mean_generated")),
+                     f"{r.get('n_tasks')} x {r.get('n')}", _machine(art["machine"])])
+    table = _table(["policy", "command", "pass@1", "reply tokens", "rows x samples", "machine"], rows)
+    paired, train = _load("real_learn/paired.json"), _load("real_learn/train.json")
+    if paired is not None:
+        t, bt = paired["paired_t"], paired["paired_bootstrap"]
+        verdict = "excludes 0" if t["lo"] > 0 or t["hi"] < 0 else "does **not** exclude 0"
+        table += (f"\n\nGain {paired['gain']:+.3f}, paired by row (the pre-registered test, "
+                  f"docs/artifacts/real_learn/PREREGISTRATION.md): 95% paired t {t['lo']:+.3f} to {t['hi']:+.3f} "
+                  f"({verdict}), paired bootstrap {bt['lo']:+.3f} to {bt['hi']:+.3f}.")
+    if train is not None:
+        table += f" Training: {train['steps']} updates in {train['wall_s']:.0f} s."
+    return table
+
+
 def newcombe(p1: float, n1: int, p2: float, n2: int) -> tuple[float, float]:
     """95% interval of ``p2 - p1`` for two independent proportions (Newcombe 1998, method 10)."""
     l1, u1 = wilson(p1, n1)
@@ -359,7 +383,7 @@ def table_gpu(link: str = "docs/artifacts/") -> str:
 
 TABLES: dict[str, Callable[[], str]] = {"eval": table_eval, "data": table_data, "bench": table_bench,
                                         "headlines": table_headlines,
-                                        "probe": table_probe, "make_run": table_make_run, "real": table_real,
+                                        "probe": table_probe, "make_run": table_make_run, "real": table_real, "real_learn": table_real_learn,
                                         "probe_real": table_probe_real, "study": lambda: _study("study"),
                                         "study_real": lambda: _study("study_real"), "ablation": table_ablation,
                                         "study_prereg": lambda: _study("study_prereg"), "gpu": table_gpu}
