@@ -132,7 +132,7 @@ def train_trl(model_dir: str, steps: int, out_model: Path, log_path: Path) -> di
 
 
 def run_eval(model: Path, dest: Path) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "mixrl", "eval", str(model), "--config", str(CONFIG), "--k", "4", "--json"]
+    cmd = [sys.executable, "-m", "mixrl.commands.main", "eval", str(model), "--config", str(CONFIG), "--k", "4", "--json"]
     res = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     data = json.loads(res.stdout)
     data["command"] = "mixrl eval <trl merged model> --config examples/real_model/learn.toml --k 4 --json"
@@ -150,8 +150,11 @@ def summarize(base: dict[str, Any], mixrl: dict[str, Any], trl: dict[str, Any], 
         g.pop("per_row")
         return g
 
-    return {"pass@1": {"base": base["pass@1"], "mixrl": mixrl["pass@1"], "trl": trl["pass@1"]},
-            "rows": len(t), "k": trl.get("k"),
+    def p1(x: dict[str, Any]) -> float:  # a scripts/record.py artifact holds the result under "result"
+        return float(x.get("result", x)["pass@1"])
+
+    return {"pass@1": {"base": p1(base), "mixrl": p1(mixrl), "trl": p1(trl)},
+            "rows": len(t), "k": trl.get("result", trl).get("k"),
             "trl_minus_mixrl": gain(m, t), "mixrl_minus_base": gain(b, m), "trl_minus_base": gain(b, t),
             "per_row": [{"row": r, "base": b[r], "mixrl": m[r], "trl": t[r]} for r in sorted(t, key=lambda r: (len(r), r))],
             **meta}
