@@ -15,6 +15,8 @@ from mixrl.lab.bench.sampler import resolve_model
 from mixrl.lab.bench.sampler_device import PROFILES, device_problem, run_device
 from tests import fake_device
 
+pytestmark = pytest.mark.fakegpu  # installs the device in this process: runs last (tests/conftest.py)
+
 
 def test_every_profile_and_hf_generate_run_on_the_device() -> None:
     dev = fake_device.install()

@@ -20,6 +20,8 @@ from mixrl.sampling.builtin.engine import BuiltinEngine
 from mixrl.sampling.profiles import get_profile
 from tests import fake_device
 
+pytestmark = pytest.mark.fakegpu  # installs the device in this process: runs last (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def dev() -> torch.device:
