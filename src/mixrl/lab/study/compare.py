@@ -259,6 +259,14 @@ def _cpu_overrides(mixed) -> dict:  # type: ignore[no-untyped-def]
     return {k: v for g in mixed.groups for k, v in g.overrides.items() if k == "compute_dtype"}
 
 
+PLACEMENT = ("accelerator_type", "num_gpus", "num_cpus", "memory_gb", "cuda_devices")
+
+
+def placement(mixed) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+    """Where the mixed fleet's first group runs (a GPU, a node type): the other fleets run there too."""
+    return {k: getattr(mixed.groups[0], k) for k in PLACEMENT} if mixed.groups else {}
+
+
 def single_profile_fleet(mixed, profile: str):  # type: ignore[no-untyped-def]
     """One group of ``profile`` with the mixed fleet's total replicas (and its CPU overrides,
     except for a profile that sets its own compute dtype on purpose: ``fp32``, ``fp16``)."""
@@ -267,7 +275,8 @@ def single_profile_fleet(mixed, profile: str):  # type: ignore[no-untyped-def]
     n = sum(g.replicas for g in mixed.groups)
     overrides = {} if profile in ("fp32", "fp16") else _cpu_overrides(mixed)
     group = GroupConfig(name=profile, profile=profile, replicas=n,
-                        min_replicas=min(1, n), max_replicas=max(n, 1), overrides=overrides)
+                        min_replicas=min(1, n), max_replicas=max(n, 1), overrides=overrides,
+                        **placement(mixed))
     return FleetConfig(groups=[group], autoscaler=mixed.autoscaler)
 
 
@@ -292,7 +301,7 @@ def stress_fleet(mixed):  # type: ignore[no-untyped-def]
 
     overrides = {} if cpu_has_bf16() else {"compute_dtype": "float32"}
     groups = [GroupConfig(name=p, profile=p, replicas=1, min_replicas=1, max_replicas=2,
-                          overrides=dict(overrides)) for p in STRESS_PROFILES]
+                          overrides=dict(overrides), **placement(mixed)) for p in STRESS_PROFILES]
     return FleetConfig(groups=groups, autoscaler=mixed.autoscaler)
 
 
