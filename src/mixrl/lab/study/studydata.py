@@ -36,7 +36,7 @@ from mixrl.system.files import atomic_write_json
 
 STEP_KEYS = (K.REWARD, K.LENGTH, K.FORMAT_END, K.EMPTY_END, K.STALENESS, K.STALENESS_MAX, K.GRAD_NORM,
              K.ENTROPY, K.split(K.MISMATCH, K.KL_K3), K.split(K.MISMATCH, K.KL_EXACT),
-             K.split(K.MISMATCH, K.RATIO_OOB), K.COST, K.TIME)
+             K.split(K.MISMATCH, K.RATIO_OOB), K.COST, K.TIME, K.CLIPPED)
 GROUP_PREFIXES = (K.PRECISION + "/", K.LAG + "/", K.SHARE + "/")
 
 
