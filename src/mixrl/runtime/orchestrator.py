@@ -367,6 +367,8 @@ class Orchestrator:
             "fleet": self.fleet.metrics(),
             "cpu": self._cpu_summary(),
             "collapse": self.monitor.summary(),
+            # the trainer's tensors by kind, where its handle can measure them (in this process)
+            "trainer_bytes": self.trainer.memory() if hasattr(self.trainer, "memory") else None,
         }
 
     def _cpu_summary(self) -> dict[str, float | None]:

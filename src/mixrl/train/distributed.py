@@ -138,6 +138,9 @@ class RankTrainer(Trainer):
 
         return publishable(self.model, self._full())
 
+    def sampler_views(self) -> dict[str, Tensor]:  # gathered: new tensors already
+        return self.state_dict_for_samplers()
+
     def _full(self) -> dict[str, Tensor]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 

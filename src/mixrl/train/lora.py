@@ -103,6 +103,9 @@ class LoraTrainer(Trainer):
     def state_dict_for_samplers(self) -> dict[str, Tensor]:
         return publishable(self.model, super().state_dict_for_samplers())
 
+    def sampler_views(self) -> dict[str, Tensor]:  # the merged weights are new tensors; the rest views
+        return publishable(self.model, super().sampler_views())
+
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state["model"] = adapter_state(state["model"])

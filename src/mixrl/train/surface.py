@@ -36,6 +36,17 @@ class TrainerSurface:
     def weights(self) -> dict[str, Any]:
         return dict(self.trainer.state_dict_for_samplers())
 
+    def weight_views(self) -> dict[str, Any]:
+        """``weights()`` without the copy where the trainer can (``Trainer.sampler_views``): to be
+        written out before the next ``step``."""
+        views = getattr(self.trainer, "sampler_views", None)
+        return dict(views() if views is not None else self.trainer.state_dict_for_samplers())
+
+    def tensor_bytes(self) -> dict[str, int] | None:
+        """The trainer's tensor bytes by kind (``Trainer.tensor_bytes``), None where it cannot say."""
+        f = getattr(self.trainer, "tensor_bytes", None)
+        return None if f is None else dict(f())
+
     def state_dict(self) -> dict[str, Any]:
         return trainer_state(self.trainer)
 

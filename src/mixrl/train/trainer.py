@@ -63,6 +63,7 @@ from mixrl.train.packing import (
 )
 from mixrl.train.parallel import Single
 from mixrl.train.routing_replay import TrainerRouting
+from mixrl.weights.accounting import tensor_bytes
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}  # fp64: references
 
@@ -130,6 +131,7 @@ class Trainer:
         self.share_prefix = (share_prefix and packing and not is_flash(self.attn_impl)
                              and self.attn_impl != "flex_attention" and not self.routing.rr.active)
         self.version = 0
+        self.grad_bytes = 0  # the last update's gradients, measured before they are freed
         self.parallel = parallel or Single()
         # onto the device first: the optimizer (and its fused kernel choice) is built from these tensors
         model.to(device=torch.device(device) if device is not None else None, dtype=PRECISIONS[precision])
@@ -357,6 +359,8 @@ class Trainer:
             for m, p in zip(self.master, self.params, strict=True):
                 m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
         opt_params = self.master if self.master is not None else self.params
+        self.grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in [*self.params, *(self.master or [])]
+                              if p.grad is not None)  # held for the update's backward passes (tensor_bytes)
         norm = float(torch.nn.utils.clip_grad_norm_(opt_params, self.grad_clip, foreach=True if self.fused else None))
         if math.isfinite(norm):  # a non-finite gradient would poison AdamW's moments for good
             self.optimizer.step()
@@ -389,9 +393,32 @@ class Trainer:
 
     # ------------------------------------------------------------------ weights and state
 
+    def tensor_bytes(self) -> dict[str, int]:
+        """Bytes the trainer's tensors hold, each storage once (``weights.accounting``): the model's
+        parameters and buffers, the gradients of the last update (freed after each optimizer
+        step), the optimizer's state, the float32 master copies and the frozen reference model."""
+        def owned(*objs: Any) -> int:
+            return tensor_bytes(*objs)["owned"]
+
+        model = [t.detach() for t in (*self.model.parameters(), *self.model.buffers())]
+        return {"params": owned(model), "grads_in_step": self.grad_bytes,
+                "optimizer": owned(list(self.optimizer.state.values())),
+                "master": owned([m.detach() for m in self.master or []]),
+                "ref_model": 0 if self.ref_model is None else owned(
+                    [t.detach() for t in (*self.ref_model.parameters(), *self.ref_model.buffers())])}
+
     def state_dict_for_samplers(self) -> dict[str, Tensor]:
         """Copies of the current weights on the CPU, in the trainer's precision (immutable)."""
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
+    def sampler_views(self) -> dict[str, Tensor]:
+        """What ``state_dict_for_samplers`` copies, as views of the trainer's own tensors where
+        they are CPU tensors already (no copy): valid until the next update changes them in
+        place, so a caller writes them out before it lets one run (the embedded trainer writes
+        them into shared memory under the lock its updates take)."""
+        if self.device.type != "cpu":
+            return self.state_dict_for_samplers()
+        return {k: v.detach() for k, v in self.model.state_dict().items()}
 
     def state_dict(self) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),

@@ -95,6 +95,20 @@ def _remove_at_exit(path: Path, owner: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def shm_bytes() -> int:
+    """Bytes of memory the files in this process's shared-memory directory hold (the versions
+    not yet deleted, mapped or not); 0 when it has none."""
+    d = _DIR
+    if d is None:
+        return 0
+    n = 0
+    with contextlib.suppress(OSError):
+        for f in d.iterdir():
+            with contextlib.suppress(OSError):
+                n += f.stat().st_blocks * 512
+    return n
+
+
 def cleanup_dir() -> None:
     """Remove this process's shared-memory directory (end of a run)."""
     global _DIR

@@ -106,7 +106,13 @@ def run_mixrl(base: list[str], run_dir: Path, extra: list[str]) -> dict[str, Any
         "publish_s": statistics.median(pub) if pub else float("nan"),
         "steps": s["steps"],
         **_cpu(s, recs),
+        # the trainer's tensors at the end of the run, measured (gradients: the last update's)
+        "trainer_tensor_mb": _mb(s.get("trainer_bytes")),
     }
+
+
+def _mb(d: dict[str, Any] | None) -> dict[str, float] | None:
+    return None if d is None else {k: round(v / 2**20, 1) if isinstance(v, (int, float)) else v for k, v in d.items()}
 
 
 def _cpu(summary: dict[str, Any], recs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -216,13 +222,14 @@ def measure_publish(base: list[str], model_path: str, groups: list[str] | None, 
             quant.append(dict(ref.quantize_s))
             shm.append(ref.copy_s)
         load_s = {n: statistics.median(h.load_s[-repeats:]) for n, h in backend.samplers.items() if h.load_s}
+        worker_mem = {n: _worker_memory((await h.stats()).get("memory")) for n, h in backend.samplers.items()}
         await fleet.close()
         await backend.shutdown()
         return {"replicas": len(specs), "groups": [g.name for g in cfg.fleet.groups],
                 "publish_s": statistics.median(lat), "formats": sorted(formats),
                 "quantize_slots": backend.quantize_slots.n,
                 "quantize_in_run_s": {f: statistics.median(q.get(f, float("nan")) for q in quant) for f in formats},
-                "engine_load_s": load_s, "shm_copy_s": statistics.median(shm)}
+                "engine_load_s": load_s, "shm_copy_s": statistics.median(shm), "worker_memory_mb": worker_mem}
 
     res = asyncio.run(main())
     # the floor's parts, measured alone: one copy of the version, one quantization per format
@@ -255,6 +262,16 @@ def measure_publish(base: list[str], model_path: str, groups: list[str] | None, 
     res["quantize_s_default_threads"] = quantize_alone(default)  # the older floor's figure
     res["quantize_threads"] = {"worker": cfg.runtime.torch_threads, "default": default}
     return res
+
+
+def _worker_memory(m: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A worker's self-measured memory (``worker.WorkerServer.memory``) in MB: its PSS parts and
+    its engine's tensors (weights it owns, weights mapped from shared memory, the idle KV pool)."""
+    if m is None:
+        return None
+    pss = _mb(m.get("pss")) or {}
+    return {**{f"pss_{k}" if k != "pss" else k: v for k, v in pss.items()},
+            **(_mb({k: v for k, v in m.items() if k not in ("pid", "pss")}) or {})}
 
 
 def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int, lr: float,
@@ -342,11 +359,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _measure(args: argparse.Namespace) -> dict[str, Any]:
-    from mixrl.lab.bench.memwatch import PeakMemory
+    from mixrl.lab.bench.memwatch import PeakMemory, shm_bytes
 
-    with PeakMemory() as mem:
+    with PeakMemory(extra_bytes=shm_bytes) as mem:
         res = _measure_all(args, mem)
     res.update(mem.gb())  # the bench process and its workers, shared memory counted once (PSS)
+    res["memory_at_peak_mb"] = mem.breakdown()  # per process, at the overall peak's sample
     return res
 
 

@@ -214,6 +214,11 @@ class BuiltinEngine(Engine):
         if self.kv_store is not None:
             self.kv_store.drop_older(version)
 
+    def idle_kv_bytes(self) -> int:
+        """Bytes of the idle KV storage the path keeps for the next batch (0: none kept)."""
+        f = getattr(self.path, "idle_bytes", None)
+        return int(f()) if f is not None else 0
+
     # --------------------------------------------------------------- generation
     def seed_for(self, r: GenerationRequest) -> int:
         """The generator seed of the next request the engine sees (every request counts)."""

@@ -110,6 +110,11 @@ class FastPath:
             hidden = hidden.index_select(0, rows)
         return _FastBatch(w, shape, prec, cache), hidden
 
+    def idle_bytes(self) -> int:
+        """Bytes of the KV storage the pool keeps for the next batch."""
+        t = self._pool.idle
+        return 0 if t is None else t.numel() * t.element_size()
+
     def logits(self, w: qf.Weights, hidden: torch.Tensor) -> torch.Tensor:
         return qf.lm_head(w, self.prec, hidden).cpu()  # a no-op on the CPU
 

@@ -140,6 +140,10 @@ class EmbeddedTrainer(TrainerHandle):
         async with self._lock:
             return await asyncio.to_thread(lambda: SharedVersion.from_state_dict(self.surface.weights()))
 
+    def memory(self) -> dict[str, int] | None:
+        """The trainer's tensor bytes by kind, measured (``Trainer.tensor_bytes``)."""
+        return self.surface.tensor_bytes()
+
     async def state(self) -> dict[str, Any]:
         return self.surface.state_dict()
 

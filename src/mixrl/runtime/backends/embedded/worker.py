@@ -17,7 +17,7 @@ messages from one duplex pipe:
     ("quant", id, (base, path, (id2, version)))   the same, then ("ok", id2, seconds the load took);
                                               path None: nothing written (manifest None)
     ("stats", id, None)                       ("ok",  id, {requests, prompt_tokens, gen_tokens,
-                                                           joined_direct, prefills, steps, cpu_s})
+                                                           joined_direct, prefills, steps, cpu_s, memory})
     ("stop", 0, None)                         ("err", id, "ExcType: message")
                                               ("ready", 0, pid) / ("fatal", 0, traceback)
     ("many", 0, [message, ...])               ("many", 0, [message, ...])
@@ -53,6 +53,7 @@ from typing import Any
 
 from mixrl.system.heap import settle_heap
 from mixrl.system.quiet import silence_libraries
+from mixrl.weights.accounting import process_pss, tensor_bytes
 from mixrl.weights.shared import map_manifest, write_tensors
 
 SAMPLER_NICE = 5  # niceness above the parent's (a weight about 3x lower for the kernel's scheduler)
@@ -62,6 +63,7 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
          batching: dict[str, Any] | None = None, cuda_visible: str | None = None,
          engine_kw: dict[str, Any] | None = None) -> None:
     silence_libraries()
+    name_process()
     if cuda_visible is not None:  # before anything initialises CUDA: this worker sees its GPU only
         os.environ["CUDA_VISIBLE_DEVICES"] = cuda_visible
     # Ctrl-C reaches the whole process group: the orchestrator handles it (checkpoint, then
@@ -91,6 +93,16 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
     settle_heap()  # full collections no longer walk torch's and the engine's start-up heap
     conn.send(("ready", 0, os.getpid()))
     asyncio.run(serve(conn, sampler, quant_profile))
+
+
+def name_process() -> None:
+    """``comm`` = ``s:<replica>`` (``mixrl-sampler-<replica>`` is the multiprocessing name), so a
+    memory or CPU breakdown read from /proc names the replica; at most 15 bytes, the kernel's limit."""
+    import multiprocessing as mp
+
+    name = "s:" + mp.current_process().name.removeprefix("mixrl-sampler-")
+    with contextlib.suppress(OSError):
+        Path("/proc/self/comm").write_text(name[:15])
 
 
 class WorkerServer:
@@ -221,7 +233,16 @@ class WorkerServer:
         counts = {k: v + self.direct[k] for k, v in self.stats.items()}
         return {**counts, **self.sunk, "joined_direct": self.direct["requests"], "prefills": s.batches,
                 "steps": s.steps, "cpu_s": time.process_time(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "memory": self.memory()}
+
+    def memory(self) -> dict[str, Any]:
+        """This process's PSS and its parts (``smaps_rollup``) and the engine's tensor bytes, measured."""
+        engine = getattr(self.sampler, "engine", None)
+        own: dict[str, int] = {}
+        if hasattr(engine, "weights"):  # the built-in engine: its served weights, its idle KV storage
+            w = tensor_bytes(engine.weights)
+            own = {"weights_owned": w["owned"], "weights_mapped": w["mapped"], "kv_pool": engine.idle_kv_bytes()}
+        return {"pid": os.getpid(), "pss": process_pss(), **own}
 
     async def load(self, rid: int, manifest: Any, version: int) -> None:
 
