@@ -57,6 +57,7 @@ def mp_context() -> Any:
         ctx.set_forkserver_preload([  # the quieting first: torchao and torch logs for every import after it
             "mixrl.runtime.backends.embedded.preload", "torch", "transformers", "transformers.models.qwen3.modeling_qwen3", "mixrl.runtime.backends.embedded.worker",
             "mixrl.sampling.batching", "mixrl.sampling.factory", "mixrl.sampling.builtin.engine", "mixrl.numerics",
+            "mixrl.runtime.backends.embedded.preloaded",  # last: the server's heap frozen before any fork
         ])
         return ctx
     return mp.get_context("spawn")
