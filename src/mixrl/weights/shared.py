@@ -122,15 +122,30 @@ def _dtype_name(dt: torch.dtype) -> str:
     return str(dt).removeprefix("torch.")
 
 
+def _same_key(t: torch.Tensor) -> tuple[object, ...] | None:
+    """What makes two entries one tensor (a tied embedding and head): same memory, same view."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return None
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+
+
 def write_tensors(tensors: Mapping[str, torch.Tensor], path: Path) -> Manifest:
     """Copy ``tensors`` (any device) into one flat file; the only copy a version costs.
+    Entries that are one tensor (tied weights: the same memory, viewed the same way) are
+    written once and share their offset.
 
     Written with ``pwrite`` rather than through a mapping: the kernel fills the new
     file's pages in bulk, where copying into a fresh mapping takes one page fault per
     4 KiB page (4.4 ms instead of 0.4 ms for the bundled policy's 1.6 MB on this VM)."""
-    layout, off = {}, 0
+    layout, off, first = {}, 0, {}
     for k, t in tensors.items():
         nbytes = t.numel() * t.element_size()
+        key = _same_key(t) if nbytes else None
+        if key is not None and key in first:
+            layout[k] = (layout[first[key]][0], 0)  # written with its twin
+            continue
+        if key is not None:
+            first[key] = k
         layout[k] = (off, nbytes)
         off += (nbytes + ALIGN - 1) // ALIGN * ALIGN
     out: Manifest = {}

@@ -32,6 +32,7 @@ from mixrl.records.trajectory import Trajectory
 from mixrl.runtime.handles import TrainerHandle
 from mixrl.sampling.base import ReplicaFailure
 from mixrl.sampling.profiles import get_profile, with_overrides
+from mixrl.system.memory import release_freed_memory
 from mixrl.system.seeds import stable_seed
 from mixrl.train.surface import TrainerSurface
 from mixrl.weights.refs import WeightsRef
@@ -131,14 +132,22 @@ class EmbeddedTrainer(TrainerHandle):
 
     async def step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
         async with self._lock:
-            return await asyncio.to_thread(self.surface.step, trajectories, advantages)
+            return await asyncio.to_thread(self._step, trajectories, advantages)
+
+    def _step(self, trajectories: list[Trajectory], advantages: list[float]) -> dict[str, float]:
+        """One update, then the allocator's free pages back to the OS: an update's activations and
+        gradients (GBs on a real model) are freed into glibc's heaps, which keep them otherwise."""
+        out = self.surface.step(trajectories, advantages)
+        release_freed_memory()
+        return out
 
     async def version(self) -> int:
         return self.surface.version()
 
     async def weights(self) -> SharedVersion:
+        # written from the trainer's own tensors (no copy first): the lock keeps updates out meanwhile
         async with self._lock:
-            return await asyncio.to_thread(lambda: SharedVersion.from_state_dict(self.surface.weights()))
+            return await asyncio.to_thread(lambda: SharedVersion.from_state_dict(self.surface.weight_views()))
 
     def memory(self) -> dict[str, int] | None:
         """The trainer's tensor bytes by kind, measured (``Trainer.tensor_bytes``)."""
