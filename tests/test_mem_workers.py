@@ -45,6 +45,7 @@ def test_a_worker_names_itself_measures_its_memory_and_shares_the_servers_heap()
     assert mem["pid"] == pid and mem["pss"]["pss"] > 0 and mem["pss"]["anon"] > 0
     # the FP32 engine owns its laid-out weights: about the parameters' bytes (its own copies)
     assert params * 0.9 <= mem["weights_owned"] <= params * 2.2, (mem, params)
+    assert mem["free_before_load"] is True  # its batcher loads between batches: one copy at a time
     # the forkserver froze its heap before forking: most of the interpreter's and torch's pages stay
     # shared with it (a worker's first collection used to copy them: ~150 MB private per worker)
     # (measured here: 0.92 of its anonymous pages shared with the freeze, 0.60 without)

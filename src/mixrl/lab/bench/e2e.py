@@ -271,7 +271,7 @@ def _worker_memory(m: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     pss = _mb(m.get("pss")) or {}
     return {**{f"pss_{k}" if k != "pss" else k: v for k, v in pss.items()},
-            **(_mb({k: v for k, v in m.items() if k not in ("pid", "pss")}) or {})}
+            **(_mb({k: v for k, v in m.items() if k not in ("pid", "pss", "free_before_load")}) or {})}
 
 
 def run_trl(model_path: str, steps: int, prompts: int, group: int, max_new: int, lr: float,

@@ -122,7 +122,7 @@ class Layer:
 
 @dataclass
 class Weights:
-    embed: torch.Tensor  # [V, H]
+    embed: torch.Tensor  # [V, H]; tied FP32 (head not quantized): a view of lm_head's [H, V] copy
     layers: list[Layer]
     norm: torch.Tensor  # [H]
     lm_head: PackedLinear  # [V, H]
@@ -220,14 +220,15 @@ def build_weights(
     head = prec.weight(head) if prec.quantize_lm_head else head
     cos, sin = rope if rope is not None else rope_tables(shape, rope_len, dt)
     cos, sin = cos.to(device), sin.to(device)
-    return Weights(
-        embed=embed.to(dt, copy=True).contiguous(),
-        layers=layers,
-        norm=own("model.norm.weight"),
-        lm_head=PackedLinear.fused([head.to(dt)], None, batch_hint),
-        cos=cos,
-        sin=sin,
-    )
+    lm = PackedLinear.fused([head.to(dt)], None, batch_hint)
+    wt = lm.transposed()
+    if head is embed and wt is not None and wt.dtype == dt:
+        # tied and not quantized: the head's [H, V] copy serves the lookup too, as its [V, H] view
+        # (a gather copies the same values: the same embeddings; one copy of the table, not two)
+        table = wt.t()
+    else:
+        table = embed.to(dt, copy=True).contiguous()
+    return Weights(embed=table, layers=layers, norm=own("model.norm.weight"), lm_head=lm, cos=cos, sin=sin)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -200,12 +200,19 @@ class BuiltinEngine(Engine):
         self.vocab = self.path.vocab
         self._vocab_ids = list(range(self.vocab))  # the support when nothing is truncated
         self.version = 0  # the checkpoint at model_path; load_weights sets the trainer's versions
+        # True where loads come only between batches (a sampler worker's BatchingSampler): the old
+        # weights are dropped before the new ones are built, so a load holds one copy, not two. A
+        # load that fails then leaves no weights (the worker reports the replica failed); False
+        # (default) keeps the old weights serving until the new ones are in.
+        self.free_before_load = False
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Quantize the trainer's weights (HF names, any dtype) on load; swap them in whole."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
+        if self.free_before_load:  # one copy of the weights at a time (see __init__)
+            self.weights = None
         with torch.inference_mode():
             w = self.path.build(state_dict)
         self.weights, self.version = w, version  # a running batch keeps its own reference

@@ -106,6 +106,10 @@ class PackedLinear:
             return self
         return cls(torch.cat(parts), bias, batch_hint)  # cat copies, even one part
 
+    def transposed(self) -> torch.Tensor | None:
+        """The weight as MKL's ``[in, out]`` copy (read-only by convention), None in another layout."""
+        return self._wt
+
     @property
     def packed(self) -> bool:
         return self.kernel != "plain"

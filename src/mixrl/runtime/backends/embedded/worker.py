@@ -83,8 +83,10 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
 
         batching = batching or {}
         rows = {"max_batch": batching["max_batch"]} if "max_batch" in batching else {}
-        sampler = BatchingSampler(make_engine(model_path, profile, group, seed=seed, **rows, **(engine_kw or {})),
-                                  **batching)
+        engine = make_engine(model_path, profile, group, seed=seed, **rows, **(engine_kw or {}))
+        if hasattr(engine, "free_before_load"):  # the batcher loads between batches: one copy at a time
+            engine.free_before_load = True
+        sampler = BatchingSampler(engine, **batching)
     except BaseException:  # noqa: BLE001 - reported to the parent, which counts a failed start
         conn.send(("fatal", 0, traceback.format_exc()))
         conn.close()
@@ -241,7 +243,8 @@ class WorkerServer:
         own: dict[str, int] = {}
         if hasattr(engine, "weights"):  # the built-in engine: its served weights, its idle KV storage
             w = tensor_bytes(engine.weights)
-            own = {"weights_owned": w["owned"], "weights_mapped": w["mapped"], "kv_pool": engine.idle_kv_bytes()}
+            own = {"weights_owned": w["owned"], "weights_mapped": w["mapped"], "kv_pool": engine.idle_kv_bytes(),
+                   "free_before_load": engine.free_before_load}
         return {"pid": os.getpid(), "pss": process_pss(), **own}
 
     async def load(self, rid: int, manifest: Any, version: int) -> None:
