@@ -93,11 +93,18 @@ def engine_state(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
 
 
+class _Gone:
+    """Weights that fail whatever reads them (None would mean: rebuild the checkpoint's, lazily)."""
+
+    def __getattr__(self, name):
+        raise RuntimeError("this replica's weights are gone")
+
+
 def test_engine_exception_fails_every_pending_call(engine):
     async def go():
         s = BatchingSampler(engine, max_batch=2, max_wait_ms=1)
         ok = await s.generate(_req(0))
-        engine.weights = None  # the replica breaks: generate_batch raises inside the worker
+        engine.weights = _Gone()  # the replica breaks: generate_batch raises inside the worker
         calls = [asyncio.create_task(s.generate(_req(i))) for i in range(5)]
         res = await asyncio.gather(*calls, return_exceptions=True)
         with pytest.raises(ReplicaFailure):

@@ -78,3 +78,29 @@ def test_the_embedded_trainer_returns_freed_memory_after_each_update(monkeypatch
     handle = EmbeddedTrainer(Trainer(tiny_model(6), get_preset("grpo").loss, lr=1e-2), None)
     m = asyncio.run(handle.step(trajs, adv))
     assert calls == [1] and "loss" in m
+
+
+def test_a_run_keeps_one_version_and_a_load_in_progress_keeps_its_own(tmp_path: Path) -> None:
+    from mixrl.config import load_config
+    from mixrl.runtime.run import train
+    from mixrl.weights.store import WeightStore
+
+    seen: dict[str, int] = {}
+
+    async def hook(orch: Any) -> None:
+        seen["keep"] = orch.fleet.store.keep
+
+    cfg = load_config(None, ["runtime.steps=1", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                             "runtime.eval.enabled=false", "observe.tensorboard=false", "observe.progress=false",
+                             "runtime.checkpoint_every=0", f'observe.run_dir="{(tmp_path / "run").as_posix()}"'])
+    assert train(cfg, evaluate=False, progress=False, hook=hook)["steps"] == 1
+    assert seen["keep"] == 1
+    # what keep=1 relies on: an evicted version's files outlive the store while a load holds them
+    store = WeightStore(put=None, keep=1)
+    v1 = sw.SharedVersion.from_state_dict({"w": torch.ones(8)})
+    store.publish(1, v1, [])
+    v1.acquire()  # a replica's load of version 1 in progress
+    store.publish(2, sw.SharedVersion.from_state_dict({"w": torch.zeros(8)}), [])
+    assert store.get()[0] == 2 and torch.equal(sw.map_manifest(v1.manifest())["w"], torch.ones(8))
+    v1.release()  # the load is done: version 1 is deleted (renamed away at once)
+    assert not Path(v1.manifest()["w"][0]).exists()

@@ -45,7 +45,9 @@ def test_worker_cpu_read_live_and_kept_after_death(tiny_policy: Path) -> None:
             await h.close()
 
     ready, live, after, again = asyncio.run(main())
-    assert ready is not None and ready > 0  # start-up: interpreter, engine build
+    # start-up: forked from the preloaded forkserver, the engine's weights built lazily: it may
+    # take less than one clock tick (/proc counts in ticks), so 0.0 is a valid reading
+    assert ready is not None and ready >= 0
     assert live is not None and live >= ready
     assert after is not None and after >= live  # read once more at exit, then kept
     assert again == after
@@ -90,4 +92,4 @@ def test_killed_and_replacement_replicas_are_counted(tiny_policy: Path, tmp_path
     assert abs(cpu["samplers_s"] - want) < 1e-6
     # the replacement's start-up (interpreter, engine) is reported apart, not as sampling
     assert abs(cpu["sampler_startup_s"] - sum(h.cpu_ready for h in late)) < 1e-6
-    assert cpu["sampler_startup_s"] > 0
+    assert cpu["sampler_startup_s"] >= 0  # may be under one clock tick (see the test above)

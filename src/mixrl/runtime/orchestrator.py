@@ -142,7 +142,10 @@ class Orchestrator:
             for g in cfg.fleet.groups
         ]
         self.fleet = Fleet(
-            specs, self.backend.make_sampler, WeightStore(put=None),
+            # keep=1: replicas always pull the newest version, and a load in progress holds the
+            # version it loads (SharedVersion.acquire; a Ray reference by itself): an older version
+            # kept in the store is read by nobody, and in shared memory it costs a copy of the model
+            specs, self.backend.make_sampler, WeightStore(put=None, keep=1),
             seed=cfg.runtime.seed, max_retries=cfg.runtime.max_session_retries,
             load_check=LoadCheck(_vocab(self.model_path), cfg.runtime.seed) if cfg.fleet.check_loads else None,
         )

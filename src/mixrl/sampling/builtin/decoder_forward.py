@@ -132,11 +132,18 @@ class Weights:
 
 def strip_wrapper_prefixes(state_dict: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """Strip wrapper prefixes (torch.compile, DDP) so trainer state dicts load as HF names."""
+    return {k: state_dict[key] for k, key in hf_names(state_dict).items()}
+
+
+def hf_names(state_dict: Mapping[str, Any]) -> dict[str, str]:
+    """HF name -> the state dict's own key (wrapper prefixes stripped), reading no value: a
+    mapping that computes its values on access (a quantizing view) is read one tensor at a time."""
     out = {}
-    for k, v in state_dict.items():
+    for key in state_dict:
+        k = key
         for p in ("_orig_mod.", "module."):
             k = k.replace(p, "")
-        out[k] = v
+        out[k] = key
     return out
 
 
@@ -164,13 +171,13 @@ def build_weights(
     allows: each is copied once, by the op that puts it in its final layout (fused GEMM weights:
     one ``cat`` of the parts' transposed views; norm weights: one cast-copy). On another
     ``device`` each source tensor is copied there first (the layers then use its plain GEMMs)."""
-    sd = strip_wrapper_prefixes(state_dict)
+    sd = hf_names(state_dict)  # each value read once, when its layer is built
     dt = prec.dtype
 
     def get(name: str) -> torch.Tensor:  # the source tensor in fp32, possibly not a copy
         if name not in sd:
             raise KeyError(f"state_dict has no {name!r} (expected HF parameter names)")
-        t = sd[name].detach().to(device)
+        t = state_dict[sd[name]].detach().to(device)
         return t if t.dtype == torch.float32 else t.float()
 
     def own(name: str) -> torch.Tensor:  # a copy in the compute dtype

@@ -118,6 +118,10 @@ class BuiltinEngine(Engine):
             sampling and its records stay on the CPU. Another device than the CPU takes the
             fast path (``fast``); a GPU group of a run gets "cuda" (``fleet.groups.*.num_gpus``
             or ``cuda_devices``).
+        lazy_weights: on the fast path, build the checkpoint's weights only when a batch first
+            needs them: a replica whose first act is loading the trainer's version (a sampler
+            worker) never loads the HF model nor builds weights it would replace at once. The
+            same weights either way (``weights``).
 
     Decoding runs in ``running.Running``: rows that finish leave at once and are
     dropped from the tensors once a quarter of the batch has finished, so long tails
@@ -142,6 +146,7 @@ class BuiltinEngine(Engine):
         prefix_reuse: bool = True,
         kv_retain_bytes: int | None = None,
         device: str = "cpu",
+        lazy_weights: bool = False,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -154,7 +159,7 @@ class BuiltinEngine(Engine):
             if num_threads < 1:
                 raise ValueError(f"num_threads must be >= 1, got {num_threads}")
             torch.set_num_threads(num_threads)
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         if forward not in ("auto", "fast", "generic"):
             raise ValueError(f"forward must be 'auto', 'fast' or 'generic', got {forward!r}")
@@ -180,17 +185,9 @@ class BuiltinEngine(Engine):
         self.eos_ids = _eos_ids(model_path, cfg) if stop_on_eos else frozenset()
         self.pad_id = 0  # any in-vocabulary id: padded columns are masked out
         self._seen = 0  # requests seen, for default per-request seeds
-        with torch.inference_mode():
-            hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            if use_fast:
-                self.path: Any = fast.FastPath(cfg, self.prec, self.max_context, max_batch, self.device)
-            else:
-                from mixrl.sampling.builtin.generic import GenericPath
-
-                self.path = GenericPath(hf, self.prec)
-            self.weights = self.path.build(hf.state_dict())
-        del hf
-        release_freed_memory()  # the HF model's pages (memory.py)
+        self.model_path = model_path
+        self._weights: Any = None
+        self._make_path(cfg, use_fast, lazy_weights)
         self.path_name = self.path.name
         # KV reuse (prefix_cache): a cohort's identical prompts prefilled once, sessions' KV kept
         self.prefix_reuse = prefix_reuse and getattr(self.path, "reuses_kv", True)
@@ -206,13 +203,56 @@ class BuiltinEngine(Engine):
         # (default) keeps the old weights serving until the new ones are in.
         self.free_before_load = False
 
+    def _make_path(self, cfg: Any, use_fast: bool, lazy: bool) -> None:
+        if use_fast:
+            self.path: Any = fast.FastPath(cfg, self.prec, self.max_context, self.max_batch, self.device)
+            if not lazy:
+                self._weights = self._checkpoint_weights()
+            return
+        from transformers import AutoModelForCausalLM
+
+        from mixrl.sampling.builtin.generic import GenericPath
+
+        with torch.inference_mode():  # the generic path runs the HF model's own modules: loaded now
+            hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            self.path = GenericPath(hf, self.prec)
+            self._weights = self.path.build(hf.state_dict())
+        del hf
+        release_freed_memory()  # the HF model's pages (memory.py)
+
     # ------------------------------------------------------------------ weights
+    @property
+    def weights(self) -> Any:
+        """The served weights: the last load's, else the checkpoint's (built on first use with
+        ``lazy_weights``)."""
+        if self._weights is None:
+            self._weights = self._checkpoint_weights()
+        return self._weights
+
+    @weights.setter
+    def weights(self, w: Any) -> None:
+        self._weights = w
+
+    def built_weights(self) -> Any:
+        """The served weights if built (None: none yet, ``lazy_weights``), building nothing."""
+        return self._weights
+
+    def _checkpoint_weights(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        with torch.inference_mode():
+            hf = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            w = self.path.build(hf.state_dict())
+        del hf
+        release_freed_memory()  # the HF model's pages (memory.py)
+        return w
+
     def load_weights(self, state_dict: Mapping[str, Any], version: int) -> None:
         """Quantize the trainer's weights (HF names, any dtype) on load; swap them in whole."""
         if not isinstance(version, int) or version < 0:
             raise ValueError(f"version must be an int >= 0, got {version!r}")
         if self.free_before_load:  # one copy of the weights at a time (see __init__)
-            self.weights = None
+            self._weights = None
         with torch.inference_mode():
             w = self.path.build(state_dict)
         self.weights, self.version = w, version  # a running batch keeps its own reference

@@ -83,7 +83,9 @@ def main(conn: Any, model_path: str, profile: Any, group: str, seed: int, thread
 
         batching = batching or {}
         rows = {"max_batch": batching["max_batch"]} if "max_batch" in batching else {}
-        engine = make_engine(model_path, profile, group, seed=seed, **rows, **(engine_kw or {}))
+        # the built-in engine: no checkpoint weights built that the first load would replace at once
+        lazy = {"lazy_weights": True} if getattr(profile, "engine", None) == "builtin" else {}
+        engine = make_engine(model_path, profile, group, seed=seed, **rows, **lazy, **(engine_kw or {}))
         if hasattr(engine, "free_before_load"):  # the batcher loads between batches: one copy at a time
             engine.free_before_load = True
         sampler = BatchingSampler(engine, **batching)
@@ -241,8 +243,8 @@ class WorkerServer:
         """This process's PSS and its parts (``smaps_rollup``) and the engine's tensor bytes, measured."""
         engine = getattr(self.sampler, "engine", None)
         own: dict[str, int] = {}
-        if hasattr(engine, "weights"):  # the built-in engine: its served weights, its idle KV storage
-            w = tensor_bytes(engine.weights)
+        if hasattr(engine, "built_weights"):  # the built-in engine: its served weights, its idle KV storage
+            w = tensor_bytes(engine.built_weights())
             own = {"weights_owned": w["owned"], "weights_mapped": w["mapped"], "kv_pool": engine.idle_kv_bytes(),
                    "free_before_load": engine.free_before_load}
         return {"pid": os.getpid(), "pss": process_pss(), **own}
@@ -258,7 +260,9 @@ class WorkerServer:
 
     async def quantize_then_load(self, rid: int, base: Any, path: str | None,
                                  then: tuple[int, int] | None = None) -> None:
-
+        if path is None and then is not None:
+            await self.quantize_while_loading(rid, base, then)
+            return
         try:
             t0 = time.perf_counter()
             tensors = map_manifest(base)
@@ -274,7 +278,10 @@ class WorkerServer:
             return
         self.flush()  # the manifest leaves now: the format's other replicas map it while this one loads
         load_rid, version = then
-        tensors.update(changed)
+        # the load reads the file just written (mapped, shared with the format's other replicas),
+        # not the quantized tensors: no private copy of them is kept beside the new weights
+        tensors.update(map_manifest(man) if man else changed)
+        del changed
         t1 = time.perf_counter()
         try:
             await self.sampler.load_weights(tensors, version)
@@ -285,19 +292,45 @@ class WorkerServer:
             self.loads_done += 1
         self.reply(("ok", load_rid, time.perf_counter() - t1))
 
-    def quantize_tensors(self, tensors: dict[str, Any], path: str | None) -> tuple[Any, dict[str, Any]]:
-        """This format's quantization of one version: (the manifest of the file it wrote,
-        or None when ``path`` is None: nothing written; the tensors it changed)."""
+    async def quantize_while_loading(self, rid: int, base: Any, then: tuple[int, int]) -> None:
+        """No other replica reads this format (no file): each weight is quantized as the load
+        reads it (``formats.Quantized``), so no quantized copy of the model is held beside the
+        new weights; the same values. Replies as ``quantize_then_load``: the quantization's
+        seconds, then the load's own (the rest of its time)."""
+        from mixrl.weights.formats import Quantized
 
+        load_rid, version = then
+        t0 = time.perf_counter()
+        try:
+            view = Quantized(map_manifest(base), self.quantizer())
+            await self.sampler.load_weights(view, version)
+        except BaseException as e:  # noqa: BLE001 - both calls fail with it
+            for r in (rid, load_rid):
+                self.reply(("err", r, f"{type(e).__name__}: {e}"))
+            return
+        finally:
+            self.loads_done += 1
+        self.reply(("ok", rid, (None, view.seconds)))
+        self.reply(("ok", load_rid, time.perf_counter() - t0 - view.seconds))
+
+    def quantizer(self) -> Any:
+        """This format's per-tensor quantizer, made on first use."""
         if self.quantize is None:
             if self.quant_profile is None:
                 raise RuntimeError("this worker was started without a weight format to quantize into")
             from mixrl.weights.formats import quantizer
 
             self.quantize = quantizer(self.quant_profile)
+        return self.quantize
+
+    def quantize_tensors(self, tensors: dict[str, Any], path: str | None) -> tuple[Any, dict[str, Any]]:
+        """This format's quantization of one version: (the manifest of the file it wrote,
+        or None when ``path`` is None: nothing written; the tensors it changed)."""
+
+        quantize = self.quantizer()
         changed = {}
         for k, t in tensors.items():
-            q = self.quantize(k, t)
+            q = quantize(k, t)
             if q is not None:
                 changed[k] = q
         if path is None:  # no other replica of this format to read it
