@@ -39,6 +39,24 @@ def test_bench_e2e_json(tiny_policy: Path, tmp_path: Path, capsys: pytest.Captur
         assert per["orchestrator"] >= per["trainer"] > 0 and per["samplers"] > 0
     ceil = res["cpu_ceiling"]
     assert ceil["async"]["utilization"] > 0 and ceil["async_over_sync_cpu_ceiling"] > 0
+    floor = res["tensor_floor"]  # the trainer's tensors and each replica's weights, measured
+    assert set(floor["replica_weights_mb"]) == set(mixed["worker_memory_mb"]) and floor["trainer_mb"] > 0
+    assert all(v > 0 for v in floor["replica_weights_mb"].values())  # the tiny policy's GB rounds to 0.0
+
+
+def test_tensor_floor_against_a_hand_computed_case() -> None:
+    """Trainer 100 + 100 + 200 MB (params, gradients, Adam moments); two replicas of 300 and
+    150 MB: 850 MB = 0.830 GB; a peak of 2.49 GB is 3.0x it. Missing measurements: no floor."""
+    res = {"async": {"trainer_tensor_mb": {"params": 100.0, "grads_in_step": 100.0, "optimizer": 200.0,
+                                           "master": 0.0, "ref_model": 0.0}},
+           "publish": {"mixed_fleet": {"worker_memory_mb": {"a/0": {"weights_owned": 300.0, "pss": 400.0},
+                                                            "b/0": {"weights_owned": 150.0}}}},
+           "peak_pss_gb": 2.49}
+    f = e2e.tensor_floor(res)
+    assert f["gb"] == round(850 / 1024, 2) and f["trainer_mb"] == 400.0
+    assert f["replica_weights_mb"] == {"a/0": 300.0, "b/0": 150.0}
+    assert f["peak_over_tensor_floor"] == round(2.49 / (850 / 1024), 2)
+    assert e2e.tensor_floor({"peak_pss_gb": 1.0})["gb"] is None
 
 
 def test_cpu_ceiling_against_a_hand_computed_case() -> None:

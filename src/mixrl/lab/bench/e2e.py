@@ -365,7 +365,28 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
         res = _measure_all(args, mem)
     res.update(mem.gb())  # the bench process and its workers, shared memory counted once (PSS)
     res["memory_at_peak_mb"] = mem.breakdown()  # per process, at the overall peak's sample
+    res["tensor_floor"] = tensor_floor(res)
     return res
+
+
+def tensor_floor(res: dict[str, Any]) -> dict[str, Any]:
+    """The tensors this configuration holds at once, measured in the same run: the async
+    trainer's (parameters, gradients, optimizer state, master copies, reference model) and each
+    replica's served weights (``weights_owned``, in its compute dtype, from the publish fleet:
+    the run's groups, one replica each). No runtime, activation, KV cache or published version
+    is counted: the peak cannot go below it without smaller tensors (a 16-bit compute dtype for
+    the samplers, replicas of one format sharing one copy, a smaller optimizer state).
+    ``peak_over_tensor_floor``: ``peak_pss_gb`` over it."""
+    trainer = (res.get("async") or {}).get("trainer_tensor_mb") or {}
+    workers = ((res.get("publish") or {}).get("mixed_fleet") or {}).get("worker_memory_mb") or {}
+    t_mb = sum(v for v in trainer.values() if isinstance(v, int | float))
+    w_mb = {n: m.get("weights_owned", 0.0) for n, m in workers.items() if m}
+    if not t_mb or not w_mb:
+        return {"gb": None, "reason": "the run measured no trainer or replica tensors"}
+    gb = (t_mb + sum(w_mb.values())) / 1024
+    peak = res.get("peak_pss_gb")
+    return {"gb": round(gb, 2), "trainer_mb": round(t_mb, 1), "replica_weights_mb": w_mb,
+            "peak_over_tensor_floor": None if not peak else round(peak / gb, 2)}
 
 
 def _measure_all(args: argparse.Namespace, mem: Any) -> dict[str, Any]:

@@ -124,7 +124,8 @@ HEADLINES: dict[str, tuple[Headline, ...]] = {
                  limit="cpu_ceiling.async_over_sync_cpu_ceiling", limit_label="CPU ceiling"),
         Headline("trainer_idle_frac", "the same model, async trainer's idle fraction", "<=", 0.15),
         Headline("publish_over_floor", "the same model, weight publication over its floor", "<=", 1.5),
-        Headline("peak_pss_gb", "the same model, peak memory of the bench and its workers (PSS), GB", "<=", 4.0),
+        Headline("peak_pss_gb", "the same model, peak memory of the bench and its workers (PSS), GB", "<=", 4.0,
+                 limit="tensor_floor.gb", limit_label="tensor floor"),
         Headline("peak_total_gb", "the same model, peak PSS with the unmapped /dev/shm weight files counted, GB"),
     ),
     "sampler_reuse": (
