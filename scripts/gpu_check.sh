@@ -30,16 +30,8 @@ while [ $# -gt 0 ]; do  # --out relative to the caller's folder
   esac
 done
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-.venv/bin/python}"
-[ -x "$PY" ] || PY="$(command -v python3)"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}" PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
-# wheels carried to a machine without network (scripts/gpu_wheels.sh writes .whl/): installed first
-wheels="${GPU_CHECK_WHEELS:-.whl}"
-if compgen -G "$wheels/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps "$wheels"/*.whl >&2 \
-    || "$PY" -m pip install -q --no-index --no-deps --user --break-system-packages "$wheels"/*.whl >&2 \
-    || { echo "gpu_check: the wheels in $wheels did not install" >&2; exit 1; }
-fi
+GPU_SCRIPT=gpu_check
+. scripts/gpu_env.sh  # PY, the environment, the carried wheels
 
 case " ${args[*]-} " in
   *" --only "*|*" --only="*)
